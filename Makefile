@@ -1,0 +1,40 @@
+# One command to set up and run the demo, one to set up and run all tests.
+#   make demo   — installs everything, starts a lab network + the gateway, shows allowed/denied/injected requests
+#   make test   — installs everything, runs the whole test suite
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+APT_PACKAGES := clang llvm libbpf-dev bpftool nftables bubblewrap iproute2 curl dnsutils tinyproxy procps psmisc
+
+.PHONY: setup apt venv demo test bench bpf clean
+
+setup: apt venv bpf
+
+apt:
+	@if [ "$$(id -u)" != 0 ]; then echo "run as root (network namespaces, eBPF)"; exit 1; fi
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then echo "apt-get install:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $$(scripts/find-python.sh) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+venv: $(VENV)/.installed
+
+bpf: venv
+	$(PY) -m cubevs.build
+
+demo: setup
+	$(VENV)/bin/cubegate demo
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: setup
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

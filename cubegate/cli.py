@@ -1,0 +1,175 @@
+"""`cubegate ...`: the command line. Each subcommand is a thin edge over a module."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+
+import click
+
+from cubegate.settings import SettingsError, load_settings
+
+
+def _settings(ctx: click.Context):
+    obj = ctx.ensure_object(dict)
+    if "settings" not in obj:
+        try:
+            obj["settings"] = load_settings(obj.get("config"), state_dir=obj.get("state_dir"))
+        except SettingsError as e:
+            raise click.ClickException(str(e))
+    return obj["settings"]
+
+
+@click.group()
+@click.option("--config", "-c", envvar="CUBEGATE_CONFIG", type=click.Path(dir_okay=False),
+              help="Settings YAML (env CUBEGATE_CONFIG).")
+@click.option("--state-dir", envvar="CUBEGATE_STATE_DIR", help="Override state_dir.")
+@click.pass_context
+def main(ctx: click.Context, config: str | None, state_dir: str | None) -> None:
+    """cubegate: egress gateway and credential vault for AI-agent sandboxes."""
+    ctx.ensure_object(dict).update(config=config, state_dir=state_dir)
+
+
+@main.command()
+@click.option("--log-level", default="INFO", show_default=True)
+@click.pass_context
+def run(ctx: click.Context, log_level: str) -> None:
+    """Run the gateway daemon in the foreground."""
+    from cubegate.daemon import Daemon
+    from egress.policy import PolicyError
+
+    settings = _settings(ctx)
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        rc = asyncio.run(Daemon(settings).run())
+    except PolicyError as e:
+        raise click.ClickException(f"policy not loaded, refusing to start: {e}")
+    sys.exit(rc)
+
+
+# ------------------------------------------------------------------- policy
+@main.group()
+def policy() -> None:
+    """Validate and inspect policy files."""
+
+
+@policy.command("check")
+@click.argument("path", type=click.Path(exists=True), required=False)
+@click.pass_context
+def policy_check(ctx: click.Context, path: str | None) -> None:
+    """Validate a policy directory or file; print file:line errors."""
+    from egress.policy import PolicyError, load_policy_dir, load_policy_files
+
+    path = path or _settings(ctx).policy_dir
+    try:
+        compiled = load_policy_dir(path) if os.path.isdir(path) else load_policy_files([path])
+    except PolicyError as e:
+        click.echo(f"invalid: {e}", err=True)
+        sys.exit(1)
+    click.echo(f"ok: {len(compiled.sources)} file(s), digest {compiled.digest[:12]}")
+
+
+@policy.command("decide")
+@click.option("--sandbox", required=True)
+@click.option("--label", multiple=True, help="k=v")
+@click.option("--host", required=True)
+@click.option("--port", type=int, default=443, show_default=True)
+@click.option("--scheme")
+@click.option("--method")
+@click.option("--path", "req_path")
+@click.pass_context
+def policy_decide(ctx, sandbox, label, host, port, scheme, method, req_path) -> None:
+    """Explain what the policy would decide for one request (no traffic sent)."""
+    import dataclasses
+
+    from egress.policy import PolicyError, RequestInfo, load_policy_dir
+
+    try:
+        compiled = load_policy_dir(_settings(ctx).policy_dir)
+    except PolicyError as e:
+        raise click.ClickException(str(e))
+    labels = dict(_parse_label(l) for l in label)
+    d = compiled.decide(RequestInfo(sandbox_id=sandbox, labels=labels, host=host, port=port,
+                                    scheme=scheme, method=method, path=req_path))
+    click.echo(json.dumps(dataclasses.asdict(d), indent=1))
+
+
+def _parse_label(text: str) -> tuple[str, str]:
+    k, sep, v = text.partition("=")
+    if not sep or not k:
+        raise click.BadParameter(f"label must be key=value, got {text!r}")
+    return k, v
+
+
+# ----------------------------------------------------------------- identity
+@main.group()
+def identity() -> None:
+    """Per-sandbox proxy credentials (explicit proxy mode)."""
+
+
+@identity.command("add")
+@click.argument("sandbox_id")
+@click.option("--label", multiple=True, help="k=v (repeatable)")
+@click.option("--replace", is_flag=True, help="Re-key an existing sandbox.")
+@click.pass_context
+def identity_add(ctx, sandbox_id, label, replace) -> None:
+    """Create a sandbox identity; prints its token once (only a hash is stored)."""
+    from egress.identity import IdentityError, IdentityStore
+
+    store = IdentityStore(_settings(ctx).identity_db)
+    try:
+        token = store.add(sandbox_id, dict(_parse_label(l) for l in label), replace=replace)
+    except IdentityError as e:
+        raise click.ClickException(str(e))
+    click.echo(token)
+
+
+@identity.command("ls")
+@click.pass_context
+def identity_ls(ctx) -> None:
+    from egress.identity import IdentityStore
+
+    for ident in IdentityStore(_settings(ctx).identity_db).list():
+        labels = ",".join(f"{k}={v}" for k, v in sorted(ident.labels.items()))
+        click.echo(f"{ident.sandbox_id}\t{labels}")
+
+
+@identity.command("rm")
+@click.argument("sandbox_id")
+@click.pass_context
+def identity_rm(ctx, sandbox_id) -> None:
+    from egress.identity import IdentityStore
+
+    if not IdentityStore(_settings(ctx).identity_db).remove(sandbox_id):
+        raise click.ClickException(f"no such sandbox identity: {sandbox_id}")
+
+
+# -------------------------------------------------------------------- audit
+def _mount_optional_groups() -> None:
+    from egress.audit.cli import audit
+
+    main.add_command(audit, "audit")
+    try:
+        from vault.cli import vault
+    except ImportError:
+        return
+    main.add_command(vault, "vault")
+
+
+_mount_optional_groups()
+
+
+@main.command()
+@click.option("--keep", is_flag=True, help="Leave the lab and gateway running until Ctrl-C.")
+def demo(keep: bool) -> None:
+    """Start a lab network + the gateway with the example policy; show allowed, denied and audited requests."""
+    from cubegate.demo import run_demo
+
+    sys.exit(run_demo(keep=keep))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""The daemon: wires policy, identity, audit, metrics, guard and mitmproxy together.
+
+Start order is chosen so the listeners only bind once everything they need
+is in place; /readyz says so explicitly. Stop order: listeners first
+(`servers.update([])`, or the ports stay bound), then the master.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from egress import netguard
+from egress.audit.index import AuditIndex
+from egress.audit.log import AuditLog
+from egress.engine import build_master, listeners_bound
+from egress.gate import PolicyGate
+from egress.identity import IdentityStore
+from egress.metrics import GatewayMetrics
+from egress.mitm_ca import ca_paths, ensure_ca
+from egress.ops_server import Readiness, start_ops_server
+from egress.policy.reload import PolicyStore
+
+from cubegate.settings import Settings
+
+log = logging.getLogger("cubegate.daemon")
+
+
+class Daemon:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.metrics = GatewayMetrics()
+        self.readiness = Readiness()
+        self.master = None
+        self.ops_server = None
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._uninstall_resolver = None
+
+    # ------------------------------------------------------------------ start
+    async def start(self) -> None:
+        s = self.settings
+        Path(s.state_dir).mkdir(parents=True, exist_ok=True)
+        # Policy first: no valid policy → no daemon (PolicyError propagates with file:line).
+        self.policies = PolicyStore(s.policy_dir)
+        self.audit = AuditLog(s.audit_dir, max_bytes=s.audit.max_bytes, keep_files=s.audit.keep_files,
+                              retention_days=s.audit.retention_days, fsync=s.audit.fsync)
+        self.audit_index = AuditIndex(Path(s.state_dir) / "audit-index.db", s.audit_dir)
+        self.identities = IdentityStore(s.identity_db)
+        own = {(s.proxy.listen_host, s.proxy.explicit_port), (s.ops.listen_host, s.ops.port),
+               ("127.0.0.1", s.vault.api_port)}
+        if s.proxy.transparent_port:
+            own.add((s.proxy.listen_host, s.proxy.transparent_port))
+        self.guard = netguard.AddressGuard(allow_cidrs=s.upstream.allow_cidrs,
+                                           extra_deny_cidrs=s.upstream.deny_cidrs, own_endpoints=own)
+        self.resolver = netguard.GuardedResolver(self.guard, nameservers=list(s.upstream.nameservers))
+        self._uninstall_resolver = netguard.install(asyncio.get_running_loop(), self.resolver)
+        ensure_ca(s.ca_dir)
+        self.gate = PolicyGate(
+            policies=self.policies, identities=self.identities, guard=self.guard, resolver=self.resolver,
+            audit=self.audit, metrics=self.metrics, credentials=self._credentials(),
+            sandbox_lookup=self._sandbox_lookup(),
+            max_header_count=s.proxy.max_header_count, max_header_bytes=s.proxy.max_header_bytes,
+        )
+        self.master = build_master(
+            gate=self.gate, listen_host=s.proxy.listen_host, explicit_port=s.proxy.explicit_port,
+            transparent_port=s.proxy.transparent_port, confdir=str(s.ca_dir),
+            upstream_ca_bundle=s.upstream.ca_bundle,
+        )
+        self._add_readiness_checks()
+        self.ops_server = start_ops_server(s.ops.listen_host, s.ops.port, self.readiness, self.metrics.render)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, self.reload_policy)
+        loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+        loop.add_signal_handler(signal.SIGINT, self._stop.set)
+        self._tasks.append(asyncio.create_task(self._policy_watch(s.policy_poll_seconds), name="policy-watch"))
+        self._tasks.append(asyncio.create_task(self._index_loop(), name="audit-index"))
+        self._tasks.append(asyncio.create_task(self.master.run(), name="mitmproxy"))
+
+    def _credentials(self):
+        return None  # the vault integration plugs in here
+
+    def _sandbox_lookup(self):
+        return None  # transparent mode: cubevs registry plugs in here
+
+    def _add_readiness_checks(self) -> None:
+        self.readiness.add("policy", lambda: (self.policies.current is not None,
+                                              f"digest {self.policies.current.digest[:12]}"
+                                              + (f"; last reload failed: {self.policies.last_error}"
+                                                 if self.policies.last_error else "")))
+        self.readiness.add("ca", lambda: (all(p.exists() for p in ca_paths(self.settings.ca_dir)),
+                                          str(ca_paths(self.settings.ca_dir)[1])))
+        self.readiness.add("listeners", lambda: listeners_bound(self.master))
+        self.readiness.add("audit", lambda: (self.audit.writable(), str(self.settings.audit_dir)))
+
+    def reload_policy(self) -> None:
+        """SIGHUP: reload now; an invalid file keeps the old policy in force (PolicyStore logs why)."""
+        self._count_reload(self.policies.reload())
+
+    def _count_reload(self, result) -> None:
+        if result is not None:
+            self.metrics.policy_reloads.labels("ok" if result.ok else "error").inc()
+
+    async def _policy_watch(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self._count_reload(self.policies.check_for_changes())
+            except Exception:  # keep watching; the old policy stays in force
+                log.exception("policy watch iteration failed")
+
+    async def _index_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.to_thread(self.audit_index.sync)
+            except Exception as e:  # the index is disposable; the JSONL stays the truth
+                log.warning("audit index sync failed: %s", e)
+            await asyncio.sleep(1.0)
+
+    # ------------------------------------------------------------------- run
+    async def run(self) -> int:
+        await self.start()
+        log.info("cubegate gateway: explicit proxy on %s:%s, ops on %s:%s",
+                 self.settings.proxy.listen_host, self.settings.proxy.explicit_port,
+                 self.settings.ops.listen_host, self.settings.ops.port)
+        master_task = self._tasks[-1]
+        stop_task = asyncio.create_task(self._stop.wait())
+        await asyncio.wait({master_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        await self.stop()
+        return 0
+
+    async def stop(self) -> None:
+        if self.master is not None:
+            ps = self.master.addons.get("proxyserver")
+            if ps is not None:
+                await ps.servers.update([])
+            self.master.shutdown()
+        if self.ops_server is not None:
+            self.ops_server.stop()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._uninstall_resolver:
+            self._uninstall_resolver()
+        try:
+            self.audit_index.sync()
+        except Exception:
+            pass
+        self.audit.close()

@@ -1,0 +1,162 @@
+"""Daemon settings: one YAML file, validated up front with clear errors.
+
+Every field has a default so `cubegate run` works with no file at all; a file
+only overrides what it names. Unknown keys are errors (a typo must not silently
+fall back to a default that opens something).
+"""
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class SettingsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    listen_host: str = "127.0.0.1"
+    explicit_port: int = 8080
+    transparent_port: int | None = None      # set when cubevs steers traffic here
+    connect_timeout: float = 10.0
+    max_header_bytes: int = 32 * 1024
+    max_header_count: int = 100
+
+
+@dataclass(frozen=True)
+class OpsSettings:
+    listen_host: str = "127.0.0.1"
+    port: int = 9090                         # /healthz /readyz /metrics
+
+
+@dataclass(frozen=True)
+class UpstreamSettings:
+    ca_bundle: str | None = None             # extra trusted CA for upstream TLS (tests)
+    nameservers: tuple[str, ...] = ()        # empty = system resolver
+    allow_cidrs: tuple[str, ...] = ()        # exemptions from the private-range guard
+    deny_cidrs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class AuditSettings:
+    dir: str | None = None                   # default: <state_dir>/audit
+    fsync: str = "interval"                  # always | interval | never
+    max_bytes: int = 64 * 1024 * 1024
+    keep_files: int = 20
+    retention_days: int | None = None
+
+
+@dataclass(frozen=True)
+class VaultSettings:
+    path: str | None = None                  # default: <state_dir>/vault.db
+    key_file: str | None = None              # default: <state_dir>/vault.key
+    api_port: int = 9091                     # admin API, loopback only
+
+
+@dataclass(frozen=True)
+class Settings:
+    state_dir: str = "/var/lib/cubegate"
+    policy_dir: str = "policies"
+    policy_poll_seconds: float = 1.0
+    proxy: ProxySettings = field(default_factory=ProxySettings)
+    ops: OpsSettings = field(default_factory=OpsSettings)
+    upstream: UpstreamSettings = field(default_factory=UpstreamSettings)
+    audit: AuditSettings = field(default_factory=AuditSettings)
+    vault: VaultSettings = field(default_factory=VaultSettings)
+
+    # Derived paths -------------------------------------------------------
+    @property
+    def audit_dir(self) -> Path:
+        return Path(self.audit.dir or Path(self.state_dir) / "audit")
+
+    @property
+    def identity_db(self) -> Path:
+        return Path(self.state_dir) / "identities.db"
+
+    @property
+    def ca_dir(self) -> Path:
+        return Path(self.state_dir) / "ca"
+
+    @property
+    def vault_db(self) -> Path:
+        return Path(self.vault.path or Path(self.state_dir) / "vault.db")
+
+    @property
+    def vault_key_file(self) -> Path:
+        return Path(self.vault.key_file or Path(self.state_dir) / "vault.key")
+
+
+def _build(cls, data: Any, where: str):
+    if data is None:
+        return cls()
+    if not isinstance(data, dict):
+        raise SettingsError(f"{where}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise SettingsError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        f = fields[name]
+        path = f"{where}.{name}" if where else name
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            kwargs[name] = _build(type(default), value, path)
+        elif isinstance(default, tuple):
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise SettingsError(f"{path}: expected a list of strings")
+            kwargs[name] = tuple(value)
+        elif isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise SettingsError(f"{path}: expected true/false")
+            kwargs[name] = value
+        elif isinstance(default, (int, float)) or default is None:
+            if value is not None and not isinstance(value, (int, float, str)) or isinstance(value, bool):
+                raise SettingsError(f"{path}: wrong type {type(value).__name__}")
+            kwargs[name] = value
+        else:
+            if not isinstance(value, str):
+                raise SettingsError(f"{path}: expected a string")
+            kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _validate(s: Settings) -> Settings:
+    for port_name, port in (("proxy.explicit_port", s.proxy.explicit_port), ("ops.port", s.ops.port)):
+        if not isinstance(port, int) or not 0 <= port <= 65535:
+            raise SettingsError(f"{port_name}: must be a port number 0-65535, got {port!r}")
+    if s.audit.fsync not in ("always", "interval", "never"):
+        raise SettingsError(f"audit.fsync: must be always, interval or never, got {s.audit.fsync!r}")
+    for cidr in (*s.upstream.allow_cidrs, *s.upstream.deny_cidrs):
+        try:
+            ipaddress.ip_network(cidr, strict=False)
+        except ValueError as e:
+            raise SettingsError(f"upstream: bad CIDR {cidr!r}: {e}") from None
+    return s
+
+
+def load_settings(path: str | Path | None, **overrides: Any) -> Settings:
+    """Load settings from a YAML file (None = defaults); overrides are top-level keys."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except OSError as e:
+            raise SettingsError(f"{p}: cannot read: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise SettingsError(f"{p}: invalid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise SettingsError(f"{p}: top level must be a mapping")
+        data = loaded or {}
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return _validate(_build(Settings, data, ""))
+    except SettingsError as e:
+        raise SettingsError(f"{path or '<settings>'}: {str(e).lstrip('.')}") from None

@@ -1,0 +1,186 @@
+"""Audit records: plain dicts with a fixed, closed schema.
+
+Only known keys with simple typed values are accepted, so nobody can dump an
+arbitrary object (request headers, a credential binding, ...) into the log.
+Serialised records always carry every field, in schema order, `None` where
+unset: the file is self-describing and `jq` filters never miss a key.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from datetime import datetime, timezone
+from typing import Any
+
+EVENTS = frozenset({"decision", "connection_closed", "request", "admin", "net_drop", "dns"})
+DECISIONS = frozenset({"allow", "deny"})
+
+_STR = (str,)
+_INT = (int,)
+_NUM = (int, float)
+_BOOL = (bool,)
+
+# field -> accepted value types (None is always accepted except where required)
+FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "id": _STR,
+    "ts": _STR,
+    "event": _STR,
+    "sandbox": _STR,
+    "client": _STR,
+    "host": _STR,
+    "port": _INT,
+    "sni": _STR,
+    "scheme": _STR,
+    "method": _STR,
+    "path": _STR,
+    "decision": _STR,
+    "reason": _STR,
+    "rule": _STR,
+    "policy": _STR,
+    "mode": _STR,
+    "would_deny": _BOOL,
+    "bytes_in": _INT,
+    "bytes_out": _INT,
+    "duration_ms": _NUM,
+    "upstream": _STR,
+    "conn_id": _STR,
+    "status": _INT,
+    "extra": (dict,),
+}
+FIELDS: tuple[str, ...] = tuple(FIELD_TYPES)
+REQUIRED = ("id", "ts", "event")
+
+# Long strings are cut in make_record so one hostile URL cannot bloat the log.
+MAX_STR_LEN = 2048
+_TRUNCATED = "...[truncated]"
+
+_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+_TS_RE = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{3}Z$")
+_EXTRA_VALUE_TYPES = (str, int, float, bool, type(None))
+
+
+def format_ts(dt: datetime) -> str:
+    """RFC3339 UTC with milliseconds, e.g. 2024-05-01T10:00:00.123Z."""
+    if dt.tzinfo is None:
+        raise ValueError("format_ts needs an aware datetime")
+    dt = dt.astimezone(timezone.utc)
+    return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"
+
+
+def now_ts() -> str:
+    return format_ts(datetime.now(timezone.utc))
+
+
+def parse_ts(ts: str) -> datetime:
+    """Parse a record timestamp (as written by format_ts) into an aware datetime."""
+    if not isinstance(ts, str) or not _TS_RE.match(ts):
+        raise ValueError(f"bad audit timestamp {ts!r}: want YYYY-MM-DDTHH:MM:SS.mmmZ")
+    return datetime.fromisoformat(ts)
+
+
+def _strip_query(path: str) -> str:
+    # Query strings and fragments often carry tokens; the audit log never holds them.
+    for sep in ("?", "#"):
+        cut = path.find(sep)
+        if cut >= 0:
+            path = path[:cut]
+    return path
+
+
+def _clip(value: Any) -> Any:
+    if isinstance(value, str) and len(value) > MAX_STR_LEN:
+        return value[: MAX_STR_LEN - len(_TRUNCATED)] + _TRUNCATED
+    return value
+
+
+def make_record(event: str, **fields: Any) -> dict[str, Any]:
+    """Build a validated record with a fresh id and timestamp.
+
+    `path` loses its query string and fragment; strings longer than
+    MAX_STR_LEN are truncated. Unknown keys raise ValueError.
+    """
+    unknown = set(fields) - set(FIELDS)
+    if unknown:
+        raise ValueError(f"unknown audit record key(s): {', '.join(sorted(unknown))}")
+    rec: dict[str, Any] = {name: None for name in FIELDS}
+    rec["id"] = uuid.uuid4().hex
+    rec["ts"] = now_ts()
+    rec.update(fields)
+    rec["event"] = event
+    if isinstance(rec["path"], str):
+        rec["path"] = _strip_query(rec["path"])
+    for name in FIELDS:
+        rec[name] = _clip(rec[name])
+    if isinstance(rec["extra"], dict):
+        rec["extra"] = {k: _clip(v) for k, v in rec["extra"].items()}
+    validate(rec)
+    return rec
+
+
+def validate(record: Any) -> None:
+    """Raise ValueError unless `record` fits the schema (missing optional keys are fine)."""
+    if not isinstance(record, dict):
+        raise ValueError(f"audit record must be a dict, not {type(record).__name__}")
+    unknown = [k for k in record if k not in FIELD_TYPES]
+    if unknown:
+        raise ValueError(f"unknown audit record key(s): {', '.join(sorted(map(str, unknown)))}")
+    for name in REQUIRED:
+        if record.get(name) is None:
+            raise ValueError(f"audit record is missing {name!r}")
+    for name, value in record.items():
+        if value is None:
+            continue
+        types = FIELD_TYPES[name]
+        # bool is an int subclass; only would_deny may be a bool.
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            want = "/".join(t.__name__ for t in types)
+            raise ValueError(f"audit field {name!r} must be {want} or None, not {type(value).__name__}")
+    if not _ID_RE.match(record["id"]):
+        raise ValueError(f"audit id must be 32 lowercase hex chars, got {record['id']!r}")
+    parse_ts(record["ts"])
+    if record["event"] not in EVENTS:
+        raise ValueError(f"unknown audit event {record['event']!r}; one of {sorted(EVENTS)}")
+    if record.get("decision") is not None and record["decision"] not in DECISIONS:
+        raise ValueError(f"audit decision must be 'allow' or 'deny', got {record['decision']!r}")
+    port = record.get("port")
+    if port is not None and not 0 <= port <= 65535:
+        raise ValueError(f"audit port out of range: {port}")
+    extra = record.get("extra")
+    if extra is not None:
+        for key, value in extra.items():
+            if not isinstance(key, str):
+                raise ValueError(f"audit extra keys must be str, got {type(key).__name__}")
+            if not isinstance(value, _EXTRA_VALUE_TYPES):
+                raise ValueError(
+                    f"audit extra[{key!r}] must be a scalar (str/int/float/bool/None), "
+                    f"not {type(value).__name__}"
+                )
+            if isinstance(value, float) and value != value:
+                raise ValueError(f"audit extra[{key!r}] is NaN")
+
+
+def to_line(record: dict[str, Any]) -> bytes:
+    """Validate and serialise one record as a single JSON line (ASCII, ends in \\n)."""
+    validate(record)
+    ordered = {name: record.get(name) for name in FIELDS}
+    try:
+        text = json.dumps(ordered, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    except ValueError as exc:  # NaN / inf in duration_ms or extra
+        raise ValueError(f"audit record not serialisable: {exc}") from None
+    return text.encode("ascii") + b"\n"
+
+
+def from_line(line: bytes) -> dict[str, Any] | None:
+    """Parse one complete line; None for garbage (torn or foreign lines are skipped)."""
+    try:
+        rec = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(rec, dict):
+        return None
+    try:
+        validate(rec)
+    except ValueError:
+        return None
+    return rec

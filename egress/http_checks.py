@@ -1,0 +1,76 @@
+"""Pure checks on HTTP requests seen by the gateway (no I/O, table-tested)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+# Headers that only mean something between the sandbox and us.
+PROXY_ONLY_HEADERS = ("proxy-authorization", "proxy-connection")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    status: int
+    reason: str
+    detail: str
+
+
+def split_host_port(authority: str) -> tuple[str, int | None]:
+    """'Example.com:443' → ('Example.com', 443); '[::1]:8080' → ('::1', 8080).
+
+    Raises ValueError on an unparseable port.
+    """
+    a = authority.strip()
+    if a.startswith("["):
+        end = a.find("]")
+        if end < 0:
+            raise ValueError(f"unterminated IPv6 literal in {authority!r}")
+        host, rest = a[1:end], a[end + 1:]
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"garbage after IPv6 literal in {authority!r}")
+        port_s = rest[1:] if rest else ""
+    elif a.count(":") == 1:
+        host, port_s = a.split(":")
+    else:
+        host, port_s = a, ""
+    if port_s == "":
+        return host, None
+    if not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        raise ValueError(f"bad port in {authority!r}")
+    return host, int(port_s)
+
+
+def check_header_limits(fields: Iterable[tuple[bytes, bytes]], *, max_count: int, max_bytes: int) -> Refusal | None:
+    count = 0
+    size = 0
+    for name, value in fields:
+        count += 1
+        size += len(name) + len(value) + 4
+        if b"\r" in value or b"\n" in value or b"\x00" in value:
+            return Refusal(400, "bad_header_value", f"header {name.decode('latin-1')!r} contains CR, LF or NUL")
+    if count > max_count:
+        return Refusal(431, "too_many_headers", f"{count} headers, limit {max_count}")
+    if size > max_bytes:
+        return Refusal(431, "headers_too_large", f"{size} bytes of headers, limit {max_bytes}")
+    return None
+
+
+def check_framing(fields: Iterable[tuple[bytes, bytes]]) -> Refusal | None:
+    """Refuse smuggling shapes even if the parser would have accepted them."""
+    cl_values = []
+    te_values = []
+    for name, value in fields:
+        n = name.lower()
+        if n == b"content-length":
+            cl_values.append(value.strip())
+        elif n == b"transfer-encoding":
+            te_values.append(value.strip().lower())
+    if len(cl_values) > 1:
+        return Refusal(400, "duplicate_content_length", "more than one Content-Length header")
+    if cl_values and te_values:
+        return Refusal(400, "content_length_and_transfer_encoding", "both Content-Length and Transfer-Encoding")
+    if cl_values and not cl_values[0].isdigit():
+        return Refusal(400, "bad_content_length", "Content-Length is not a number")
+    if te_values and (len(te_values) > 1 or te_values[0] != b"chunked"):
+        return Refusal(400, "bad_transfer_encoding", "Transfer-Encoding other than a single 'chunked'")
+    return None

@@ -1,0 +1,132 @@
+"""Who is talking: per-sandbox proxy credentials, stored hashed.
+
+Tokens are 32 random bytes, so a single SHA-256 is enough (no slow KDF needed:
+there is nothing to brute-force). Lookup is by sandbox id, then a
+constant-time comparison of the hashes. The table lives in SQLite so that
+`cubegate identity add` in another process takes effect without a restart.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import json
+import re
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+SANDBOX_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,62}$")
+
+
+class IdentityError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Identity:
+    sandbox_id: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+def _hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def parse_proxy_authorization(value: str | None) -> tuple[str, str] | None:
+    """`Basic base64(sandbox_id:token)` → (sandbox_id, token); anything else → None."""
+    if not value:
+        return None
+    scheme, _, param = value.strip().partition(" ")
+    if scheme.lower() != "basic" or not param:
+        return None
+    try:
+        decoded = base64.b64decode(param.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    user, sep, token = decoded.partition(":")
+    if not sep or not user or not token:
+        return None
+    return user, token
+
+
+class IdentityStore:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS identities ("
+            " sandbox_id TEXT PRIMARY KEY, labels TEXT NOT NULL, token_hash TEXT NOT NULL,"
+            " created REAL NOT NULL)"
+        )
+
+    def close(self) -> None:
+        self._db.close()
+
+    @staticmethod
+    def _check_labels(labels: Mapping[str, str]) -> dict[str, str]:
+        out = {}
+        for k, v in labels.items():
+            if not LABEL_RE.match(k) or not isinstance(v, str) or not LABEL_RE.match(v):
+                raise IdentityError(f"invalid label {k!r}={v!r}: use [A-Za-z0-9_./-], at most 63 chars")
+            out[k] = v
+        return out
+
+    def add(self, sandbox_id: str, labels: Mapping[str, str] | None = None, *, replace: bool = False) -> str:
+        """Create (or with replace=True, re-key) a sandbox identity; returns the token once."""
+        if not SANDBOX_ID_RE.match(sandbox_id):
+            raise IdentityError(f"invalid sandbox id {sandbox_id!r}: use [A-Za-z0-9_.-], at most 64 chars")
+        clean = self._check_labels(labels or {})
+        token = secrets.token_urlsafe(32)
+        verb = "INSERT OR REPLACE" if replace else "INSERT"
+        with self._lock:
+            try:
+                self._db.execute(
+                    f"{verb} INTO identities VALUES (?, ?, ?, ?)",
+                    (sandbox_id, json.dumps(clean, sort_keys=True), _hash(token), time.time()),
+                )
+            except sqlite3.IntegrityError:
+                raise IdentityError(f"sandbox {sandbox_id!r} already exists (use --replace to re-key)") from None
+        return token
+
+    def remove(self, sandbox_id: str) -> bool:
+        with self._lock:
+            cur = self._db.execute("DELETE FROM identities WHERE sandbox_id = ?", (sandbox_id,))
+        return cur.rowcount > 0
+
+    def get(self, sandbox_id: str) -> Identity | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT sandbox_id, labels FROM identities WHERE sandbox_id = ?", (sandbox_id,)
+            ).fetchone()
+        return Identity(row[0], json.loads(row[1])) if row else None
+
+    def list(self) -> list[Identity]:
+        with self._lock:
+            rows = self._db.execute("SELECT sandbox_id, labels FROM identities ORDER BY sandbox_id").fetchall()
+        return [Identity(r[0], json.loads(r[1])) for r in rows]
+
+    def authenticate(self, sandbox_id: str, token: str) -> Identity | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT labels, token_hash FROM identities WHERE sandbox_id = ?", (sandbox_id,)
+            ).fetchone()
+        # Compare even when the id is unknown so timing does not reveal which ids exist.
+        stored = row[1] if row else "0" * 64
+        ok = hmac.compare_digest(stored, _hash(token))
+        if not (row and ok):
+            return None
+        return Identity(sandbox_id, json.loads(row[0]))
+
+    def authenticate_header(self, value: str | None) -> Identity | None:
+        creds = parse_proxy_authorization(value)
+        return self.authenticate(*creds) if creds else None
