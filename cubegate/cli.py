@@ -29,7 +29,23 @@ def _settings(ctx: click.Context):
 @click.pass_context
 def main(ctx: click.Context, config: str | None, state_dir: str | None) -> None:
     """cubegate: egress gateway and credential vault for AI-agent sandboxes."""
-    ctx.ensure_object(dict).update(config=config, state_dir=state_dir)
+    obj = ctx.ensure_object(dict)
+    obj.update(config=config, state_dir=state_dir)
+    if ctx.invoked_subcommand in ("vault", "audit") and not ctx.resilient_parsing:
+        settings = _settings(ctx)
+        os.environ.setdefault("CUBEGATE_AUDIT_DIR", str(settings.audit_dir))
+        if ctx.invoked_subcommand == "vault":
+            from egress.credentials import host_policy_check_for
+            from egress.policy import PolicyError, load_policy_dir
+
+            def current():
+                try:
+                    return load_policy_dir(settings.policy_dir)
+                except PolicyError as e:
+                    raise click.ClickException(f"cannot check binding against policy: {e}")
+
+            obj.update(vault_db=str(settings.vault_db), vault_key_file=str(settings.vault_key_file),
+                       host_policy_check=host_policy_check_for(current))
 
 
 @main.command()
@@ -147,16 +163,46 @@ def identity_rm(ctx, sandbox_id) -> None:
         raise click.ClickException(f"no such sandbox identity: {sandbox_id}")
 
 
+@identity.command("placeholders")
+@click.argument("sandbox_id")
+@click.pass_context
+def identity_placeholders(ctx, sandbox_id) -> None:
+    """Print the sandbox's placeholder env (CUBEGATE_SECRET_<ID>=cgph_...): harmless stand-ins for its secrets."""
+    import vault as vaultlib
+    from egress.credentials import DEFAULT_TENANT
+    from egress.identity import IdentityStore
+    from egress.policy import PolicyError, load_policy_dir
+
+    s = _settings(ctx)
+    ident = IdentityStore(s.identity_db).get(sandbox_id)
+    if ident is None:
+        raise click.ClickException(f"no such sandbox identity: {sandbox_id}")
+    try:
+        pol = load_policy_dir(s.policy_dir).policy_for(ident.sandbox_id, ident.labels)
+    except PolicyError as e:
+        raise click.ClickException(str(e))
+    tenant = (pol.tenant if pol else None) or DEFAULT_TENANT
+    try:
+        v = vaultlib.Vault.open(s.vault_db)
+        key = vaultlib.key_from_env()
+        v.unseal(key) if key is not None else v.unseal_with_key_file(s.vault_key_file)
+        for secret_id, ph in sorted(v.placeholders_for_sandbox(tenant, sandbox_id).items()):
+            env = "CUBEGATE_SECRET_" + "".join(c if c.isalnum() else "_" for c in secret_id).upper()
+            click.echo(f"{env}={ph}")
+    except vaultlib.VaultError as e:
+        raise click.ClickException(str(e))
+
+
 # -------------------------------------------------------------------- audit
 def _mount_optional_groups() -> None:
     from egress.audit.cli import audit
 
     main.add_command(audit, "audit")
     try:
-        from vault.cli import vault
+        from vault.cli import vault_cli
     except ImportError:
         return
-    main.add_command(vault, "vault")
+    main.add_command(vault_cli, "vault")
 
 
 _mount_optional_groups()

@@ -22,6 +22,7 @@ from egress.mitm_ca import ca_paths, ensure_ca
 from egress.ops_server import Readiness, start_ops_server
 from egress.policy.reload import PolicyStore
 
+import vault as vaultlib
 from cubegate.settings import Settings
 
 log = logging.getLogger("cubegate.daemon")
@@ -57,6 +58,7 @@ class Daemon:
         self.resolver = netguard.GuardedResolver(self.guard, nameservers=list(s.upstream.nameservers))
         self._uninstall_resolver = netguard.install(asyncio.get_running_loop(), self.resolver)
         ensure_ca(s.ca_dir)
+        self._open_vault()
         self.gate = PolicyGate(
             policies=self.policies, identities=self.identities, guard=self.guard, resolver=self.resolver,
             audit=self.audit, metrics=self.metrics, credentials=self._credentials(),
@@ -69,6 +71,8 @@ class Daemon:
             upstream_ca_bundle=s.upstream.ca_bundle,
         )
         self._add_readiness_checks()
+        self.vault_api = None
+        self._start_vault_api()
         self.ops_server = start_ops_server(s.ops.listen_host, s.ops.port, self.readiness, self.metrics.render)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, self.reload_policy)
@@ -78,8 +82,44 @@ class Daemon:
         self._tasks.append(asyncio.create_task(self._index_loop(), name="audit-index"))
         self._tasks.append(asyncio.create_task(self.master.run(), name="mitmproxy"))
 
+    def _open_vault(self):
+        """Open and unseal the vault if one exists. Without a vault file no host is bound."""
+        s = self.settings
+        self.vault = None
+        if not s.vault_db.exists():
+            log.info("no vault at %s: credential injection disabled", s.vault_db)
+            return
+        from egress.credentials import host_policy_check_for
+        self.vault = vaultlib.Vault.open(s.vault_db, host_policy_check=host_policy_check_for(lambda: self.policies.current))
+        key = vaultlib.key_from_env()
+        try:
+            if key is not None:
+                self.vault.unseal(key)
+            elif s.vault_key_file.exists():
+                self.vault.unseal_with_key_file(s.vault_key_file)
+            else:
+                log.warning("vault %s stays sealed: no key file %s and no CUBEGATE_VAULT_KEY; "
+                            "bound requests get 503 until it is unsealed", s.vault_db, s.vault_key_file)
+        except vaultlib.VaultError as e:
+            log.error("vault stays sealed: %s", e)
+
     def _credentials(self):
-        return None  # the vault integration plugs in here
+        if self.vault is None:
+            return None
+        from egress.credentials import VaultCredentials
+        # Leaks are denied in the request's own audit record (reason credential_leak),
+        # logged as ALERT and counted in cubegate_credential_leaks_blocked_total.
+        return VaultCredentials(self.vault, metrics=self.metrics, scrub_bodies=self.settings.vault.scrub_response_bodies)
+
+    def _start_vault_api(self) -> None:
+        if self.vault is None:
+            return
+        from vault.api import serve
+        self.vault_api = serve(self.vault, host="127.0.0.1", port=self.settings.vault.api_port,
+                               audit_hook=self._admin_audit)
+
+    def _admin_audit(self, rec: dict) -> None:
+        self.audit.append(_admin_record(rec))
 
     def _sandbox_lookup(self):
         return None  # transparent mode: cubevs registry plugs in here
@@ -92,7 +132,13 @@ class Daemon:
         self.readiness.add("ca", lambda: (all(p.exists() for p in ca_paths(self.settings.ca_dir)),
                                           str(ca_paths(self.settings.ca_dir)[1])))
         self.readiness.add("listeners", lambda: listeners_bound(self.master))
+        self.readiness.add("vault", self._vault_ready)
         self.readiness.add("audit", lambda: (self.audit.writable(), str(self.settings.audit_dir)))
+
+    def _vault_ready(self) -> tuple[bool, str]:
+        if self.vault is None:
+            return True, "no vault configured (no credential bindings)"
+        return (not self.vault.sealed), ("unsealed" if not self.vault.sealed else "sealed: bound requests get 503")
 
     def reload_policy(self) -> None:
         """SIGHUP: reload now; an invalid file keeps the old policy in force (PolicyStore logs why)."""
@@ -138,6 +184,8 @@ class Daemon:
             self.master.shutdown()
         if self.ops_server is not None:
             self.ops_server.stop()
+        if getattr(self, "vault_api", None) is not None:
+            self.vault_api.stop()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -148,3 +196,20 @@ class Daemon:
         except Exception:
             pass
         self.audit.close()
+
+
+def _stamp() -> str:
+    import time
+    t = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
+
+
+def _admin_record(rec: dict) -> dict:
+    """Vault admin actions → audit records (never a value: the vault hook carries none)."""
+    import uuid
+    return {"id": uuid.uuid4().hex, "ts": _stamp(), "event": "admin",
+            "decision": "allow" if rec.get("outcome", "ok") == "ok" else "deny",
+            "reason": rec.get("reason") or rec.get("action"), "status": rec.get("status"),
+            "extra": {k: v for k, v in rec.items() if k in
+                      ("action", "tenant", "secret_id", "version", "binding_id", "actor", "outcome", "remote")}}
+

@@ -78,24 +78,31 @@ def run_demo(keep: bool = False) -> int:
             print(lab.curl("-s", f"http://127.0.0.1:{OPS_PORT}/readyz", cacert=False, lab_dns=False).stdout)
 
             ca = str(Path(settings["state_dir"]) / "ca" / "mitmproxy-ca-cert.pem")
+            placeholder = subprocess.run([*cli, "identity", "placeholders", "demo-sandbox"], check=True,
+                                         capture_output=True, text=True).stdout.strip()
+            print(f"the sandbox's environment holds only a placeholder: {placeholder}")
+            ph_value = placeholder.split("=", 1)[1]
             cases = [
                 ("allowed, TLS passed through untouched", "https://api.allowed.test/v1/models", ()),
                 ("allowed by wildcard *.github.test", "https://x.github.test/", ()),
                 ("denied by policy (decided at CONNECT, upstream never contacted)", "https://denied.test/", ()),
                 ("denied: name resolves to cloud metadata 169.254.169.254 (SSRF guard)", "https://metadata.evil.test/", ()),
                 ("plain HTTP through the same policy", "http://api.allowed.test/plain", ()),
-                ("credential injected by the gateway (sandbox sends no key)", "https://echo.allowed.test/v1/chat",
-                 ("--cacert", ca)),
+                ("credential injected by the gateway (sandbox sends only its placeholder)",
+                 "https://echo.allowed.test/v1/chat", ("--cacert", ca, "-H", f"Authorization: Bearer {ph_value}")),
+                ("placeholder sent to a host it is not bound to: blocked and alerted",
+                 f"http://passthrough.allowed.test/upload?token={ph_value}", ()),
             ]
             for title, url, extra in cases:
                 _say(title)
                 print(f"$ curl -x http://demo-sandbox:***@127.0.0.1:{PROXY_PORT} {url}")
                 print("  ->", _curl(lab, proxy, url, *extra))
-            r = lab.curl("-s", "-x", proxy, "--cacert", ca, "https://echo.allowed.test/v1/chat", lab_dns=False)
+            r = lab.curl("-s", "-x", proxy, "--cacert", ca, "-H", f"Authorization: Bearer {ph_value}",
+                         "https://echo.allowed.test/v1/chat", lab_dns=False)
             try:
-                seen = json.loads(r.stdout)["headers"]
-                auth = {k: v for k, v in seen.items() if k.lower() == "authorization"}
-                print("  upstream saw Authorization:", "present, value withheld from this demo output" if auth else "none")
+                seen = [v for k, v in json.loads(r.stdout)["header_list"] if k.lower() == "authorization"]
+                print(f"  the upstream echoes the Authorization it received: {seen}")
+                print("  (the real key was injected; the gateway scrubs it from the echo before the sandbox sees it)")
             except (ValueError, KeyError):
                 pass
 
@@ -119,10 +126,15 @@ def run_demo(keep: bool = False) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
+DEMO_SECRET = "sk-demo-0123456789abcdef"  # stands in for a real API key; never shown below
+
+
 def _setup_demo_vault(cli: list[str]) -> None:
-    """Store a demo secret and bind it to echo.allowed.test, if the vault is available."""
-    try:
-        import vault.cli  # noqa: F401
-    except ImportError:
-        return
-    # Filled in by the vault integration (issue 3).
+    """Store a demo secret and bind it to echo.allowed.test (tenant "demo" from policies/example.yaml)."""
+    run = lambda *a, **kw: subprocess.run([*cli, "vault", *a], check=True, capture_output=True, text=True, **kw)
+    run("init")
+    run("secret", "put", "demo", "openai", input=DEMO_SECRET + "\n")
+    run("binding", "add", "--id", "openai-echo", "--tenant", "demo", "--secret", "openai",
+        "--host", "echo.allowed.test", "--port", "443", "--header", "Authorization",
+        "--format", "Bearer {secret}", "--placeholder")
+    print("vault: secret demo/openai stored encrypted; bound to https://echo.allowed.test (Authorization: Bearer ...)")

@@ -57,6 +57,7 @@ class VaultSettings:
     path: str | None = None                  # default: <state_dir>/vault.db
     key_file: str | None = None              # default: <state_dir>/vault.key
     api_port: int = 9091                     # admin API, loopback only
+    scrub_response_bodies: bool = True       # also remove injected values echoed in bodies
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,7 @@ class NftBackend:
         data = nft.run(self.ns, f"list table netdev {TABLE}", as_json=True)
         return data.get("nftables", [])
 
-    def remove(self, e: Entry) -> None:
+    def remove(self, e: Entry, *, detach: bool = True) -> None:  # noqa: ARG002
         no = e.sandbox_no
         cmds = [f"delete chain netdev {TABLE} sb{no}"]
         cmds += [f"delete counter netdev {TABLE} sb{no}_{r}" for r in _REASONS]

@@ -45,7 +45,7 @@ class Switch:
                  pool: str = "10.200.0.0/16", gateway_ip: str = "10.200.0.1",
                  gateway_ports=(8081, 8080), dns_port: int = 53, transparent_port: int = 8081,
                  backend: str = "auto", hub_addrs=(), netns_prefix: str = "cgs",
-                 nft_log_group: int | None = None):
+                 nft_log_group: int | None = None, attach_mode: str = "auto"):
         if backend not in ("auto", "ebpf", "nftables"):
             raise ValueError(f"backend must be auto, ebpf or nftables, not {backend!r}")
         net = ipaddress.IPv4Network(pool)
@@ -61,6 +61,7 @@ class Switch:
         self.dns_port, self.transparent_port = int(dns_port), int(transparent_port)
         self.hub_addrs = tuple(hub_addrs)
         self.netns_prefix = netns_prefix
+        self.attach_mode = attach_mode
         self._lock = threading.RLock()
         self.registry = Registry(self.state_dir)
         self._salt = f"{hub_netns}|{self.state_dir.resolve()}"
@@ -76,6 +77,7 @@ class Switch:
             "dns_port": self.dns_port, "transparent_port": self.transparent_port,
             "backend": self.backend, "hub_addrs": list(self.hub_addrs),
             "netns_prefix": netns_prefix, "nft_log_group": nft_log_group,
+            "attach_mode": attach_mode,
         })
         for e in self.registry.all():   # after a restart: repair what the kernel lost
             if self.hub.ifindex(e.host_ifname) == e.ifindex:
@@ -88,7 +90,7 @@ class Switch:
         if backend in ("auto", "ebpf"):
             try:
                 from .ebpf_backend import EbpfBackend
-                return EbpfBackend(bpffs_dir=self.bpffs_dir, **common)
+                return EbpfBackend(bpffs_dir=self.bpffs_dir, attach_mode=self.attach_mode, **common)
             except Exception as exc:  # noqa: BLE001 - reported in status(), fail over in auto
                 if backend == "ebpf":
                     raise SwitchError(f"eBPF backend unavailable: {exc}") from exc
@@ -148,7 +150,7 @@ class Switch:
             e = self.registry.get(sandbox_id)
             if e is None:
                 return
-            self._impl.remove(e)
+            self._impl.remove(e, detach=False)   # deleting the veth detaches the filter
             self.hub.destroy(plumbing.Names(e.netns, e.host_ifname))
             self.registry.remove(sandbox_id)
 

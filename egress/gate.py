@@ -43,6 +43,8 @@ class CredentialHook(Protocol):
 
     def on_request(self, flow: http.HTTPFlow, conn: "ConnState", scheme: str) -> Refusal | dict | None: ...
 
+    def on_request_body(self, flow: http.HTTPFlow, conn: "ConnState") -> Refusal | None: ...
+
     def on_response(self, flow: http.HTTPFlow, conn: "ConnState") -> None: ...
 
 
@@ -51,6 +53,9 @@ class NoCredentials:
         return False
 
     def on_request(self, flow, conn, scheme):
+        return None
+
+    def on_request_body(self, flow, conn):
         return None
 
     def on_response(self, flow, conn) -> None:
@@ -449,6 +454,7 @@ class PolicyGate:
             refusal = Refusal(403, decision.reason, _explain(decision))
         injected = None
         if refusal is None and decision is not None:
+            st.decision = decision  # the request-level decision (tenant, rule) is the one in force
             out = self.credentials.on_request(flow, st, scheme)
             if isinstance(out, Refusal):
                 refusal = out
@@ -482,6 +488,21 @@ class PolicyGate:
         if name != st.host:
             return Refusal(421, "authority_mismatch", f"request for {name} inside a tunnel to {st.host}")
         return None
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        """Full body available: last chance to stop a secret or placeholder leaving in it."""
+        if flow.response is not None or flow.request.method == "CONNECT":
+            return
+        st = self.conns.get(flow.client_conn.id)
+        if st is None or st.identity is None:
+            return
+        refusal = self.credentials.on_request_body(flow, st)
+        if refusal is None:
+            return
+        self._audit("request", st, scheme=flow.request.scheme, method=flow.request.method,
+                    path=_path_only(flow.request.path), decision="deny", reason=refusal.reason, status=refusal.status)
+        self._count(st, "deny", refusal.reason, "body")
+        flow.response = self._deny_response(refusal.status, refusal.reason, refusal.detail)
 
     def response(self, flow: http.HTTPFlow) -> None:
         st = self.conns.get(flow.client_conn.id)

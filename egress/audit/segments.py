@@ -52,13 +52,21 @@ def log_files(log_dir: str | os.PathLike) -> list[Path]:
 
 
 def present_keys(log_dir: str | os.PathLike) -> set["FileKey"]:
-    """Keys of the log files that exist right now."""
+    """Keys of the log files that exist right now.
+
+    The current file is looked at first: if it is renamed right after, the
+    listing of rotated files that follows already shows it under its new name.
+    """
     keys = set()
-    for path in log_files(log_dir):
+    try:
+        keys.add(file_key(os.stat(Path(log_dir) / CURRENT_NAME)))
+    except FileNotFoundError:
+        pass
+    for path in rotated_files(log_dir):
         try:
             keys.add(file_key(os.stat(path)))
         except FileNotFoundError:
-            pass
+            pass  # removed by retention
     return keys
 
 

@@ -276,3 +276,45 @@ def test_unknown_interface_fails_closed(fresh_lab):
     assert udp_exchange(a.netns, (GW, 53), timeout=0.3) == []
     assert pk(lab.sw, None, "unknown_sandbox") >= 1 or any(
         r == "unknown_sandbox" for (_s, r, _v) in lab.sw.counters())
+
+
+@pytest.mark.parametrize("mode", ["tc", "tcx"])
+def test_attach_modes_enforce_and_reopen(fresh_lab, mode):
+    lab = fresh_lab
+    lab.sw.close()
+    lab.sw = lab.open_switch(attach_mode=mode)
+    a = lab.sw.attach_sandbox("m")
+    assert lab.sw._impl.dp.attached(a.ifindex, lab.hub) == mode
+    assert udp_exchange(a.netns, (INET_IP, 443), timeout=0.2) == []
+    assert udp_exchange(a.netns, (GW, 53)) == [b"ECHO:ping"]
+    lab.sw.close()
+    lab.sw = Switch.reopen(lab.state)
+    assert lab.sw.attach_mode == mode
+    assert lab.sw.status()["sandboxes"][0]["attached"] is True
+    assert pk(lab.sw, "m", "quic") == 1 and pk(lab.sw, "m", "dns") == 1
+
+
+def test_gateway_down_fails_closed_and_recovers(fresh_lab):
+    """No transparent listener -> web traffic goes nowhere; it flows again when the
+    gateway is back, without recreating the sandbox."""
+    import socket
+    from cubevs_lab import in_ns
+    lab = fresh_lab
+    a = lab.sw.attach_sandbox("fc")
+    lab.listeners.stop()                         # the gateway process is gone
+    assert tcp_fetch(a.netns, (INET_IP, 443), timeout=0.3) is None
+    assert tcp_fetch(a.netns, (INET_IP, 80), timeout=0.3) is None
+    srv = in_ns(lab.hub, socket.AF_INET, socket.SOCK_STREAM)   # gateway restarted
+    try:
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(("0.0.0.0", 8081))
+        srv.listen(4)
+        cli = in_ns(a.netns, socket.AF_INET, socket.SOCK_STREAM)
+        cli.settimeout(1)
+        cli.connect((INET_IP, 443))
+        conn, peer = srv.accept()
+        assert peer[0] == a.ip and lab.sw.lookup_by_ip(peer[0]) == "fc"
+        conn.close()
+        cli.close()
+    finally:
+        srv.close()
