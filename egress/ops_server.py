@@ -7,6 +7,7 @@ listeners bound, audit writable, ...). A check that raises counts as failed.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Callable
 
 import tornado.web
@@ -60,12 +61,19 @@ class _Metrics(tornado.web.RequestHandler):
         self.write(self.render_metrics())
 
 
+def _log_request(handler: tornado.web.RequestHandler) -> None:
+    logging.getLogger("cubegate.ops").debug("%s %s %s", handler.get_status(), handler.request.method,
+                                             handler.request.uri)
+
+
 def start_ops_server(host: str, port: int, readiness: Readiness, render_metrics: Callable[[], bytes]) -> HTTPServer:
+    # tornado logs 5xx at ERROR; mitmproxy's errorcheck treats any ERROR during
+    # startup as fatal, and /readyz answers 503 by design then. Log at DEBUG.
     app = tornado.web.Application([
         (r"/healthz", _Health),
         (r"/readyz", _Ready, {"readiness": readiness}),
         (r"/metrics", _Metrics, {"render": render_metrics}),
-    ])
+    ], log_function=_log_request)
     server = HTTPServer(app, xheaders=False)
     server.listen(port, address=host)
     return server

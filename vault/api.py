@@ -304,7 +304,14 @@ def make_app(vault: Vault, tokens: TokenStore | None = None, *,
     kw = {"vault": vault, "tokens": tokens if tokens is not None else vault.tokens, "audit_hook": audit_hook}
     handlers = [(_path(p), h, kw) for p, h in ROUTES]
     return tornado.web.Application(handlers, default_handler_class=_NotFoundHandler, default_handler_args=kw,
-                                   compress_response=False, xsrf_cookies=False)
+                                   compress_response=False, xsrf_cookies=False, log_function=_log_request)
+
+
+def _log_request(handler: tornado.web.RequestHandler) -> None:
+    # Not tornado's default (5xx at ERROR): an embedding daemon may treat ERROR as fatal.
+    # Only method, path and status are logged: never a body (values live there).
+    logging.getLogger("vault.api").info("%s %s %s", handler.get_status(), handler.request.method,
+                                        handler.request.path)
 
 
 def check_bind_address(host: str, allow_non_loopback: bool = False) -> None:
