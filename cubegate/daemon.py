@@ -53,6 +53,10 @@ class Daemon:
                ("127.0.0.1", s.vault.api_port)}
         if s.proxy.transparent_port:
             own.add((s.proxy.listen_host, s.proxy.transparent_port))
+        if any(getattr(netguard.parse_ip_literal(h), "is_unspecified", False) for h, _ in own):
+            # A wildcard listener is reachable on every local address (e.g. the cubevs gateway ip).
+            # (in a thread: pyroute2 runs its own event loop)
+            own = netguard.expand_wildcard_endpoints(own, await asyncio.to_thread(netguard.local_addresses))
         self.guard = netguard.AddressGuard(allow_cidrs=s.upstream.allow_cidrs,
                                            extra_deny_cidrs=s.upstream.deny_cidrs, own_endpoints=own)
         self.resolver = netguard.GuardedResolver(self.guard, nameservers=list(s.upstream.nameservers))
@@ -122,7 +126,13 @@ class Daemon:
         self.audit.append(_admin_record(rec))
 
     def _sandbox_lookup(self):
-        return None  # transparent mode: cubevs registry plugs in here
+        """Transparent mode identifies sandboxes by source address (cubevs registry)."""
+        if not self.settings.proxy.transparent_port:
+            return None
+        from cubevs.registry import Registry
+        from cubegate.sandbox_lookup import RegistryLookup
+        self._lookup = RegistryLookup(Registry(self.settings.cubevs_state_dir), self.identities)
+        return self._lookup
 
     def _add_readiness_checks(self) -> None:
         self.readiness.add("policy", lambda: (self.policies.current is not None,
@@ -196,6 +206,8 @@ class Daemon:
         except Exception:
             pass
         self.audit.close()
+        if getattr(self, "_lookup", None) is not None:
+            self._lookup.close()
 
 
 def _stamp() -> str:

@@ -61,6 +61,11 @@ class VaultSettings:
 
 
 @dataclass(frozen=True)
+class CubevsSettings:
+    state_dir: str | None = None             # cubevs registry; default: <state_dir>/cubevs
+
+
+@dataclass(frozen=True)
 class Settings:
     state_dir: str = "/var/lib/cubegate"
     policy_dir: str = "policies"
@@ -70,6 +75,7 @@ class Settings:
     upstream: UpstreamSettings = field(default_factory=UpstreamSettings)
     audit: AuditSettings = field(default_factory=AuditSettings)
     vault: VaultSettings = field(default_factory=VaultSettings)
+    cubevs: CubevsSettings = field(default_factory=CubevsSettings)
 
     # Derived paths -------------------------------------------------------
     @property
@@ -87,6 +93,10 @@ class Settings:
     @property
     def vault_db(self) -> Path:
         return Path(self.vault.path or Path(self.state_dir) / "vault.db")
+
+    @property
+    def cubevs_state_dir(self) -> Path:
+        return Path(self.cubevs.state_dir or Path(self.state_dir) / "cubevs")
 
     @property
     def vault_key_file(self) -> Path:
@@ -132,6 +142,9 @@ def _validate(s: Settings) -> Settings:
     for port_name, port in (("proxy.explicit_port", s.proxy.explicit_port), ("ops.port", s.ops.port)):
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise SettingsError(f"{port_name}: must be a port number 0-65535, got {port!r}")
+    tp = s.proxy.transparent_port
+    if tp is not None and (not isinstance(tp, int) or not 1 <= tp <= 65535):
+        raise SettingsError(f"proxy.transparent_port: must be a port number 1-65535, got {tp!r}")
     if s.audit.fsync not in ("always", "interval", "never"):
         raise SettingsError(f"audit.fsync: must be always, interval or never, got {s.audit.fsync!r}")
     for cidr in (*s.upstream.allow_cidrs, *s.upstream.deny_cidrs):

@@ -313,8 +313,10 @@ class PolicyGate:
     # ------------------------------------------------------------- next layer
     def next_layer(self, nextlayer: NextLayer) -> None:
         st = self.conns.get(nextlayer.context.client.id)
-        if st is None or st.host is None or nextlayer.layer is None:
+        if st is None or nextlayer.layer is None:
             return
+        if st.host is None and not st.transparent:
+            return  # explicit mode: nothing decided yet (CONNECT comes first)
         layer = nextlayer.layer
         if not nextlayer.context.server.address:
             return
@@ -343,7 +345,9 @@ class PolicyGate:
         st.sni = sni
         refusal: Refusal | None = None
         if st.transparent and st.host is None:
-            if not sni:
+            if st.port in PLAIN_HTTP_PORTS:
+                refusal = Refusal(403, "tls_on_plain_port", f"TLS ClientHello on plain-HTTP port {st.port}")
+            elif not sni:
                 refusal = Refusal(403, "sni_missing", "transparent TLS without SNI: destination unknown")
             else:
                 decision, refusal = await self._destination(st, sni, st.port or 443, scheme=None, method=None, path=None)
@@ -435,7 +439,12 @@ class PolicyGate:
             else:
                 st.identity = ident
                 host_hdr = flow.request.host_header
-                if host_hdr:
+                if st.transparent:
+                    # flow.request.host is the original destination IP here: the sandbox
+                    # chose it, so never use it. The Host header names the destination;
+                    # the gateway resolves it and connects to (name, original port).
+                    refusal = self._transparent_target(flow, st, host_hdr)
+                elif host_hdr:
                     try:
                         hh, _ = split_host_port(host_hdr)
                         if normalize_host(hh) != normalize_host(flow.request.host):
@@ -473,6 +482,18 @@ class PolicyGate:
             flow.response = self._deny_response(refusal.status, refusal.reason, refusal.detail)
         else:
             flow.metadata["cubegate_t0"] = time.perf_counter()
+
+    @staticmethod
+    def _transparent_target(flow: http.HTTPFlow, st: ConnState, host_hdr: str | None) -> Refusal | None:
+        if not host_hdr:
+            return Refusal(400, "host_missing", "transparent HTTP request without Host header: destination unknown")
+        try:
+            hh, _ = split_host_port(host_hdr)
+        except ValueError as e:
+            return Refusal(400, "invalid_host", str(e))
+        flow.request.data.host = hh   # _destination normalises and SSRF-checks it
+        flow.request.data.port = st.port or 80
+        return None
 
     def _check_authority(self, flow: http.HTTPFlow, st: ConnState) -> Refusal | None:
         """Inside a tunnel every request must name the tunnel's host (HTTP/2 coalescing, fronting)."""
@@ -518,6 +539,10 @@ class PolicyGate:
         address = data.server.address
         if st is None or st.kind == "denied" or address is None:
             data.server.error = "cubegate: connection denied"
+            return
+        if st.transparent and st.host is None:
+            # Nothing decided yet: the only address known is the one the sandbox chose.
+            data.server.error = "cubegate: transparent connection without a decided destination"
             return
         host, port = address
         literal = netguard.parse_ip_literal(host)

@@ -1,0 +1,26 @@
+"""Transparent mode: source address → sandbox identity, via the cubevs registry.
+
+The switch owns the registry (it allocates the addresses); the gateway only
+reads it. Labels come from the IdentityStore when the sandbox also has an
+explicit-proxy identity there, so policies selected by label apply in both modes.
+"""
+from __future__ import annotations
+
+from cubevs.registry import Registry
+from egress.identity import Identity, IdentityStore
+
+
+class RegistryLookup:
+    def __init__(self, registry: Registry, identities: IdentityStore):
+        self.registry = registry
+        self.identities = identities
+
+    def lookup_by_ip(self, ip: str) -> Identity | None:
+        sandbox_id = self.registry.lookup_by_ip(ip)
+        if sandbox_id is None:
+            return None  # not a sandbox address: the gate denies (unknown_source)
+        known = self.identities.get(sandbox_id)
+        return known if known is not None else Identity(sandbox_id, {})
+
+    def close(self) -> None:
+        self.registry.close()
