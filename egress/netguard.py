@@ -9,7 +9,7 @@ Three layers, pure first:
 * ``AddressGuard.check(ip, port)`` says why an address is refused (a stable
   reason string such as ``"loopback"``) or ``None`` when it may be contacted.
 * ``GuardedResolver`` resolves names itself (dnspython, A + AAAA, no
-  ``/etc/hosts``, no search domains, no cache) and keeps only allowed answers.
+  ``/etc/hosts``, no search domains; answers cached for their TTL) and keeps only allowed answers.
   ``install(loop, resolver)`` puts it under ``loop.getaddrinfo`` so every
   connection asyncio opens by name (mitmproxy's upstream connections use
   ``asyncio.open_connection``) connects only to addresses that passed the guard.
@@ -340,7 +340,7 @@ class GuardedResolver:
     """Resolves a destination and keeps only the addresses the guard allows.
 
     ``nameservers``: list of "ip" or "ip:port"; empty = system resolv.conf.
-    ``/etc/hosts`` and search domains are never consulted, nothing is cached
+    ``/etc/hosts`` and search domains are never consulted, answers are cached for their TTL only
     (a TTL-0 answer is asked again next time, and checked again).
     """
 
@@ -358,7 +358,11 @@ class GuardedResolver:
             self._resolver.nameservers = servers
         self._resolver.lifetime = self.timeout
         self._resolver.timeout = min(self.timeout, 2.0)
-        self._resolver.cache = None
+        # Answers are cached for their TTL (TTL 0 = never): every cached address
+        # still goes through the guard on each use, so caching cannot let a
+        # blocked address through; it only halves DNS work per connection
+        # (the gate resolves at CONNECT and again at connect time).
+        self._resolver.cache = dns.resolver.Cache(cleaning_interval=60.0)
 
     async def resolve(self, host: str, port: int | None = None) -> list[tuple[int, str]]:
         """Allowed ``(family, ip)`` pairs for ``host``; IPv4 first.
