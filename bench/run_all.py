@@ -22,6 +22,7 @@ GRACE_S = 20.0
 BENCHES = [
     ("bench_policy.py", 120.0, []),
     ("bench_gateway.py", 180.0, ["--requests", "150"]),
+    ("bench_inject.py", 120.0, ["--requests", "200"]),
     ("bench_cubevs.py", 300.0, ["--quick"]),
 ]
 
