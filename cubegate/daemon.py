@@ -53,6 +53,8 @@ class Daemon:
                ("127.0.0.1", s.vault.api_port)}
         if s.proxy.transparent_port:
             own.add((s.proxy.listen_host, s.proxy.transparent_port))
+        if s.dns.listen_host:
+            own.add((s.dns.listen_host, s.dns.port))  # the sandbox resolver: never an upstream
         if any(getattr(netguard.parse_ip_literal(h), "is_unspecified", False) for h, _ in own):
             # A wildcard listener is reachable on every local address (e.g. the cubevs gateway ip).
             # (in a thread: pyroute2 runs its own event loop)
@@ -69,6 +71,10 @@ class Daemon:
             sandbox_lookup=self._sandbox_lookup(),
             max_header_count=s.proxy.max_header_count, max_header_bytes=s.proxy.max_header_bytes,
         )
+        from cubegate import sandbox_dns  # sandbox DNS resolver (settings.dns; off when listen_host is null)
+        self._dns = await sandbox_dns.start_for(self)
+        from cubegate import netwatch  # switch counters on /metrics, drop events to audit (transparent mode)
+        self._netwatch = await netwatch.start_for(self)
         self.master = build_master(
             gate=self.gate, listen_host=s.proxy.listen_host, explicit_port=s.proxy.explicit_port,
             transparent_port=s.proxy.transparent_port, confdir=str(s.ca_dir),
@@ -199,6 +205,10 @@ class Daemon:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        from cubegate import sandbox_dns
+        await sandbox_dns.stop_for(getattr(self, "_dns", None))
+        from cubegate import netwatch
+        await netwatch.stop_for(getattr(self, "_netwatch", None))
         if self._uninstall_resolver:
             self._uninstall_resolver()
         try:

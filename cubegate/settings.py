@@ -66,6 +66,12 @@ class CubevsSettings:
 
 
 @dataclass(frozen=True)
+class DnsSettings:
+    listen_host: str | None = None           # sandbox DNS resolver; None = disabled
+    port: int = 53
+
+
+@dataclass(frozen=True)
 class Settings:
     state_dir: str = "/var/lib/cubegate"
     policy_dir: str = "policies"
@@ -76,6 +82,7 @@ class Settings:
     audit: AuditSettings = field(default_factory=AuditSettings)
     vault: VaultSettings = field(default_factory=VaultSettings)
     cubevs: CubevsSettings = field(default_factory=CubevsSettings)
+    dns: DnsSettings = field(default_factory=DnsSettings)
 
     # Derived paths -------------------------------------------------------
     @property
@@ -145,6 +152,11 @@ def _validate(s: Settings) -> Settings:
     tp = s.proxy.transparent_port
     if tp is not None and (not isinstance(tp, int) or not 1 <= tp <= 65535):
         raise SettingsError(f"proxy.transparent_port: must be a port number 1-65535, got {tp!r}")
+    dp = s.dns.port
+    if not isinstance(dp, int) or isinstance(dp, bool) or not 1 <= dp <= 65535:
+        raise SettingsError(f"dns.port: must be a port number 1-65535, got {dp!r}")
+    if s.dns.listen_host is not None and not isinstance(s.dns.listen_host, str):
+        raise SettingsError(f"dns.listen_host: expected a string, got {s.dns.listen_host!r}")
     if s.audit.fsync not in ("always", "interval", "never"):
         raise SettingsError(f"audit.fsync: must be always, interval or never, got {s.audit.fsync!r}")
     for cidr in (*s.upstream.allow_cidrs, *s.upstream.deny_cidrs):

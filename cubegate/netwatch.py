@@ -1,0 +1,167 @@
+"""Switch observability in the gateway: per-sandbox datapath counters on /metrics
+and drop events (eBPF ring buffer) into the audit log as `net_drop` records.
+
+The switch is owned by whoever attached the sandboxes; the gateway only reopens
+it from the cubevs state dir (pinned maps, registry) to read counters and drain
+events. No switch in the state dir → nothing is started ("no switch").
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from pathlib import Path
+
+from prometheus_client.core import CounterMetricFamily
+
+from egress.audit.record import make_record
+
+log = logging.getLogger("cubegate.netwatch")
+
+POLL_SECONDS = 0.5
+MAX_EVENTS_PER_POLL = 1000
+
+
+class SwitchCollector:
+    """Prometheus collector reading Switch.counters() at scrape time."""
+
+    def __init__(self, switch, lock: threading.Lock):
+        self.switch = switch
+        self.lock = lock
+        self.events_dropped = 0
+        self.events_audited = 0
+
+    def describe(self):
+        return []   # no registry-time collect(): the switch may be slow or gone
+
+    def collect(self):
+        pkts = CounterMetricFamily("cubegate_switch_packets", "Packets seen by the cubevs switch datapath",
+                                   labels=["sandbox", "reason", "verdict"])
+        byts = CounterMetricFamily("cubegate_switch_bytes", "L2 frame bytes seen by the cubevs switch datapath",
+                                   labels=["sandbox", "reason", "verdict"])
+        try:
+            with self.lock:
+                counters = self.switch.counters()
+        except Exception as e:  # noqa: BLE001 - a scrape never fails because of the switch
+            log.warning("switch counters unavailable: %s", e)
+            counters = {}
+        for (sandbox, reason, verdict), (p, b) in sorted(counters.items(), key=lambda kv: tuple(map(str, kv[0]))):
+            labels = [sandbox or "-", str(reason), str(verdict)]
+            pkts.add_metric(labels, p)
+            byts.add_metric(labels, b)
+        dropped = CounterMetricFamily("cubegate_switch_events_dropped",
+                                      "Switch drop events not audited (over the per-poll limit)")
+        dropped.add_metric([], self.events_dropped)
+        audited = CounterMetricFamily("cubegate_switch_events_audited", "Switch drop events written as net_drop")
+        audited.add_metric([], self.events_audited)
+        return [pkts, byts, dropped, audited]
+
+
+def drop_record(ev: dict) -> dict:
+    return make_record(
+        "net_drop", decision="deny", reason=str(ev.get("reason") or "unknown"),
+        sandbox=ev.get("sandbox"), host=ev.get("dst"),
+        port=ev.get("dport") if isinstance(ev.get("dport"), int) else None,
+        client=ev.get("src"), extra={"proto": ev.get("proto")},
+    )
+
+
+class NetWatch:
+    def __init__(self, switch, registry, audit, *, poll_seconds: float = POLL_SECONDS,
+                 max_events: int = MAX_EVENTS_PER_POLL):
+        self.switch = switch
+        self.audit = audit
+        self.poll_seconds = poll_seconds
+        self.max_events = max_events
+        self._lock = threading.Lock()   # Switch maps/registry: scrape thread vs. drain thread
+        self.collector = SwitchCollector(switch, self._lock)
+        self._registry = registry
+        registry.register(self.collector)
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._poll(), name="netwatch")
+
+    def _drain(self) -> list[dict]:
+        with self._lock:
+            # One over the limit tells us whether events are left behind; the rest of the
+            # backlog is drained in the same call and counted, never audited one by one.
+            events = self.switch.drain_events(max=self.max_events + 1)
+            extra = 0
+            if len(events) > self.max_events:
+                extra = len(events) - self.max_events
+                events = events[: self.max_events]
+                while True:
+                    more = self.switch.drain_events(max=self.max_events)
+                    extra += len(more)
+                    if len(more) < self.max_events:
+                        break
+        self.collector.events_dropped += extra
+        return events
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                events = await asyncio.to_thread(self._drain)
+                for ev in events:
+                    try:
+                        self.audit.append(drop_record(ev))
+                        self.collector.events_audited += 1
+                    except (OSError, ValueError) as e:
+                        self.collector.events_dropped += 1
+                        log.warning("net_drop audit append failed: %s", e)
+            except Exception:  # keep polling
+                log.exception("switch event poll failed")
+            await asyncio.sleep(self.poll_seconds)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        try:
+            self._registry.unregister(self.collector)
+        except KeyError:
+            pass
+        with self._lock:
+            try:
+                self.switch.close()
+            except Exception as e:  # noqa: BLE001
+                log.warning("closing switch handle failed: %s", e)
+
+
+def _reopen(state_dir: Path):
+    from cubevs.registry import DB_NAME
+    from cubevs.switch import Switch, SwitchError
+    if not (Path(state_dir) / DB_NAME).exists():
+        return None
+    try:
+        return Switch.reopen(state_dir)
+    except SwitchError:
+        return None
+
+
+async def start_for(daemon) -> NetWatch | None:
+    """Started by Daemon.start() in transparent mode; None when there is no switch."""
+    s = daemon.settings
+    if not s.proxy.transparent_port:
+        return None
+    state_dir = s.cubevs_state_dir
+    try:
+        # in a thread: pyroute2 runs its own event loop
+        switch = await asyncio.to_thread(_reopen, state_dir)
+    except Exception as e:  # noqa: BLE001 - the gateway runs without switch observability
+        log.warning("netwatch: cannot reopen cubevs switch in %s: %s", state_dir, e)
+        return None
+    if switch is None:
+        log.info("netwatch: no switch in %s", state_dir)
+        return None
+    nw = NetWatch(switch, daemon.metrics.registry, daemon.audit)
+    nw.start()
+    log.info("netwatch: switch %s backend, counters on /metrics, drop events to audit", switch.backend)
+    return nw
+
+
+async def stop_for(nw: NetWatch | None) -> None:
+    if nw is not None:
+        await nw.close()
