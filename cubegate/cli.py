@@ -193,6 +193,49 @@ def identity_placeholders(ctx, sandbox_id) -> None:
         raise click.ClickException(str(e))
 
 
+# ---------------------------------------------------------------------- net
+@main.group()
+def net() -> None:
+    """The cubevs network switch."""
+
+
+@net.command("status")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def net_status(ctx, as_json) -> None:
+    """Backend in use (ebpf | nftables), steering, sandboxes and drop/allow counters.
+
+    Reopening the switch re-applies missing map entries/attachments (idempotent).
+    """
+    from pathlib import Path
+
+    from cubevs import Switch
+
+    state_dir = Path(_settings(ctx).cubevs_state_dir)
+    if not (state_dir / "cubevs.sqlite3").exists():
+        raise click.ClickException(f"no cubevs switch in {state_dir} (no sandbox was ever attached)")
+    sw = Switch.reopen(state_dir)
+    try:
+        st = sw.status()
+        counters = sw.counters()
+    finally:
+        sw.close()
+    if as_json:
+        st["counters"] = [{"sandbox": k[0], "reason": k[1], "verdict": k[2], "packets": v[0], "bytes": v[1]}
+                          for k, v in sorted(counters.items(), key=lambda kv: tuple(map(str, kv[0])))]
+        click.echo(json.dumps(st, indent=1, default=str))
+        return
+    click.echo(f"backend: {st['backend']}" + (f" (fallback: {st['backend_fallback_reason']})"
+                                                if st.get("backend_fallback_reason") else ""))
+    click.echo(f"hub: {st['hub_netns'] or 'root namespace'}  gateway {st['gateway_ip']} ports {st['gateway_ports']}"
+               f"  steering: {st['steering']}")
+    for sb in st["sandboxes"]:
+        click.echo(f"  {sb['sandbox_id']:<20} {sb['ip']:<15} {sb['host_ifname']:<14} "
+                   f"{'attached' if sb['attached'] else 'NOT ATTACHED'}")
+    for (sandbox, reason, verdict), (pk, by) in sorted(counters.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        click.echo(f"  {sandbox or '-':<20} {verdict:<5} {reason:<20} {pk} packets {by} bytes")
+
+
 # -------------------------------------------------------------------- audit
 def _mount_optional_groups() -> None:
     from egress.audit.cli import audit

@@ -4,6 +4,7 @@ audit records. Same setup as test_transparent: a cubevs switch in the lab's gw
 namespace and the real gateway in transparent mode, which reopens that switch."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -92,3 +93,16 @@ def test_drop_events_over_the_poll_limit_are_counted_not_audited():
     assert _metric(text, "cubegate_switch_packets_total", sandbox="sb-x", reason="quic", verdict="drop") == 7
     assert _metric(text, "cubegate_switch_packets_total", sandbox="-", reason="unknown_sandbox") == 1
     assert _metric(text, "cubegate_switch_events_dropped_total") == 15
+
+
+def test_net_status_cli_shows_backend_sandboxes_and_counters(tlab):  # noqa: F811
+    gw, sw, net = tlab
+    _send_quic(net)
+    out = json.loads(gw.cli("net", "status", "--json"))
+    assert out["backend"] == sw.backend
+    [entry] = [s for s in out["sandboxes"] if s["sandbox_id"] == net.sandbox_id]
+    assert entry["attached"] and entry["ip"] == net.ip
+    quic = [c for c in out["counters"] if c["sandbox"] == net.sandbox_id and c["reason"] == "quic"]
+    assert quic and quic[0]["verdict"] == "drop" and quic[0]["packets"] > 0
+    table = gw.cli("net", "status")
+    assert f"backend: {sw.backend}" in table and net.sandbox_id in table
