@@ -68,8 +68,11 @@ def drop_record(ev: dict) -> dict:
 
 class NetWatch:
     def __init__(self, switch, registry, audit, *, poll_seconds: float = POLL_SECONDS,
-                 max_events: int = MAX_EVENTS_PER_POLL):
+                 max_events: int = MAX_EVENTS_PER_POLL, l4_for=None, l4_key=None):
         self.switch = switch
+        self.l4_for = l4_for            # sandbox_id -> [(cidr, port, proto)] from the policy in force
+        self.l4_key = l4_key            # () -> policy digest, to resync only on change
+        self._l4_synced: tuple | None = None
         self.audit = audit
         self.poll_seconds = poll_seconds
         self.max_events = max_events
@@ -99,8 +102,28 @@ class NetWatch:
         self.collector.events_dropped += extra
         return events
 
+    def _sync_l4(self) -> None:
+        """Push each sandbox's policy L4 rules into the switch when the policy or the sandbox set changed."""
+        if self.l4_for is None:
+            return
+        with self._lock:
+            ids = tuple(sorted(n.sandbox_id for n in self.switch.sandboxes()))
+            key = (self.l4_key() if self.l4_key else None, ids)
+            if key == self._l4_synced:
+                return
+            for sid in ids:
+                try:
+                    self.switch.set_l4_allow(sid, self.l4_for(sid))
+                except Exception as e:  # noqa: BLE001 - one bad sandbox must not stop the others
+                    log.warning("l4 sync for %s failed: %s", sid, e)
+            self._l4_synced = key
+
     async def _poll(self) -> None:
         while True:
+            try:
+                await asyncio.to_thread(self._sync_l4)
+            except Exception:  # keep polling
+                log.exception("l4 policy sync failed")
             try:
                 events = await asyncio.to_thread(self._drain)
                 for ev in events:
@@ -156,7 +179,14 @@ async def start_for(daemon) -> NetWatch | None:
     if switch is None:
         log.info("netwatch: no switch in %s", state_dir)
         return None
-    nw = NetWatch(switch, daemon.metrics.registry, daemon.audit)
+    from cubegate.l4sync import l4_allow_for
+
+    def l4_for(sandbox_id: str):
+        ident = daemon.identities.get(sandbox_id)
+        return l4_allow_for(daemon.policies.current, sandbox_id, ident.labels if ident else {})
+
+    nw = NetWatch(switch, daemon.metrics.registry, daemon.audit, l4_for=l4_for,
+                  l4_key=lambda: daemon.policies.current.digest)
     nw.start()
     log.info("netwatch: switch %s backend, counters on /metrics, drop events to audit", switch.backend)
     return nw

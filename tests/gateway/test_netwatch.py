@@ -106,3 +106,53 @@ def test_net_status_cli_shows_backend_sandboxes_and_counters(tlab):  # noqa: F81
     assert quic and quic[0]["verdict"] == "drop" and quic[0]["packets"] > 0
     table = gw.cli("net", "status")
     assert f"backend: {sw.backend}" in table and net.sandbox_id in table
+
+
+L4_RULE = """\
+  - name: db
+    action: allow
+    match: {cidrs: [198.18.0.20/32], ports: [5432]}
+"""
+
+
+def test_policy_cidr_rules_are_pushed_into_the_switch(tlab):  # noqa: F811
+    import time
+
+    gw, sw, net = tlab
+    path = gw.policy_dir / "main.yaml"
+    original = path.read_text()
+
+    def l4():
+        st = json.loads(gw.cli("net", "status", "--json"))
+        return [s["l4_allow"] for s in st["sandboxes"] if s["sandbox_id"] == net.sandbox_id][0]
+
+    try:
+        path.write_text(original.rstrip("\n") + "\n" + L4_RULE)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and ["198.18.0.20/32", 5432, "tcp"] not in l4():
+            time.sleep(0.3)
+        assert ["198.18.0.20/32", 5432, "tcp"] in l4()
+    finally:
+        path.write_text(original)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and ["198.18.0.20/32", 5432, "tcp"] in l4():
+        time.sleep(0.3)
+    assert ["198.18.0.20/32", 5432, "tcp"] not in l4()
+
+
+def test_l4_allow_for_translates_only_ipv4_allow_rules(tmp_path):
+    from cubegate.l4sync import l4_allow_for
+    from egress.policy import load_policy_files
+
+    p = tmp_path / "p.yaml"
+    p.write_text("""\
+name: p
+default: deny
+rules:
+  - {name: a, action: allow, match: {cidrs: [10.9.0.0/24], ports: [5432, 6379]}}
+  - {name: b, action: allow, match: {cidrs: [10.8.0.1/32]}}
+  - {name: c, action: deny, match: {cidrs: [10.7.0.0/16], ports: [22]}}
+  - {name: d, action: allow, match: {hosts: [api.example.com]}}
+""")
+    rules = l4_allow_for(load_policy_files([p]), "any", {})
+    assert rules == [("10.8.0.1/32", 0, "tcp"), ("10.9.0.0/24", 5432, "tcp"), ("10.9.0.0/24", 6379, "tcp")]
