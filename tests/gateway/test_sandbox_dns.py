@@ -3,15 +3,13 @@ gateway's resolver (on the hub gateway address, port 53) and gets answers only
 for names its policy allows; everything else is NXDOMAIN and audited."""
 from __future__ import annotations
 
-import shutil
 import subprocess
-import uuid
-from contextlib import suppress
 
 import pytest
 
-from tests.gateway.harness import Gateway
-from tests.gateway.test_transparent import _NO_PROXY_ENV, _nft_delete
+from tests.gateway.switchlab import switch_lab
+
+from tests.gateway.test_transparent import _NO_PROXY_ENV
 
 pytestmark = pytest.mark.netns
 
@@ -33,43 +31,9 @@ rules:
 
 @pytest.fixture(scope="module")
 def dlab(lab, tmp_path_factory):
-    from cubevs import bpf_loader
-    from cubevs.switch import Switch
-
-    tmp = tmp_path_factory.mktemp("sandbox-dns")
-    cubevs_state, bpffs = tmp / "cubevs", tmp / "bpf"
-    gw = Gateway(lab, tmp / "gw", {"main.yaml": POLICY}, sandboxes={SANDBOX: {"team": "t"}},
-                 settings_extra={"proxy": {"listen_host": "0.0.0.0", "transparent_port": TPORT},
-                                 "cubevs": {"state_dir": str(cubevs_state)},
-                                 "dns": {"listen_host": HUB_IP, "port": 53}})
-    sw = None
-    try:
-        sw = Switch(hub_netns=lab.gw_ns, state_dir=cubevs_state, bpffs_dir=bpffs,
-                    transparent_port=TPORT, gateway_ports=(TPORT, gw.proxy_port),
-                    hub_addrs=(lab.gw_addr,), netns_prefix="cd" + uuid.uuid4().hex[:4])
-        net = sw.attach_sandbox(SANDBOX)
-        gw.start()
-        yield gw, sw, net
-    finally:
-        gw.stop()
-        if sw is not None:
-            for sb in sw.sandboxes():
-                with suppress(Exception):
-                    sw.detach_sandbox(sb.sandbox_id)
-            with suppress(Exception):
-                sw.close()
-        from cubevs import steering
-        with suppress(Exception):
-            steering.remove(lab.gw_ns)
-        _nft_delete(lab.gw_ns, "netdev", "cubegate")
-        subprocess.run(["ip", "-n", lab.gw_ns, "addr", "del", f"{HUB_IP}/32", "dev", "lo"],
-                       capture_output=True, timeout=10)
-        if bpffs.is_dir():
-            with suppress(Exception):
-                bpf_loader.remove_pins(bpffs)
-            with suppress(Exception):
-                bpf_loader.umount_bpffs(bpffs)
-        shutil.rmtree(bpffs, ignore_errors=True)
+    with switch_lab(lab, tmp_path_factory.mktemp("dlab"), POLICY, sandbox=SANDBOX, tport=TPORT,
+                    prefix="cd", settings_extra={"dns": {"listen_host": HUB_IP, "port": 53}}) as env:
+        yield env
 
 
 def sandbox_dig(net, *args: str) -> subprocess.CompletedProcess:

@@ -5,14 +5,12 @@ SNI/Host (resolved by the gateway), same policy and audit as explicit mode."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import uuid
-from contextlib import suppress
 
 import pytest
 
-from tests.gateway.harness import Gateway
+from tests.gateway.switchlab import switch_lab
+
 
 pytestmark = pytest.mark.netns
 
@@ -29,52 +27,13 @@ rules:
 _NO_PROXY_ENV = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
 
 
-def _nft_delete(ns: str, family: str, table: str) -> None:
-    subprocess.run(["nsenter", f"--net=/run/netns/{ns}", "nft", "delete", "table", family, table],
-                   capture_output=True, timeout=10)
-
 
 @pytest.fixture(scope="module")
 def tlab(lab, tmp_path_factory):
     """Switch in the lab's gw namespace + one sandbox + a gateway with a transparent listener."""
-    from cubevs import bpf_loader
-    from cubevs.switch import Switch
-
-    tmp = tmp_path_factory.mktemp("transparent")
-    cubevs_state, bpffs = tmp / "cubevs", tmp / "bpf"
-    gw = Gateway(lab, tmp / "gw", {"main.yaml": POLICY}, sandboxes={SANDBOX: {"team": "t"}},
-                 settings_extra={"proxy": {"listen_host": "0.0.0.0", "transparent_port": TPORT},
-                                 "cubevs": {"state_dir": str(cubevs_state)}})
-    sw = None
-    try:
-        sw = Switch(hub_netns=lab.gw_ns, state_dir=cubevs_state, bpffs_dir=bpffs,
-                    transparent_port=TPORT, gateway_ports=(TPORT, gw.proxy_port),
-                    hub_addrs=(lab.gw_addr,), netns_prefix="cg" + uuid.uuid4().hex[:4])
-        net = sw.attach_sandbox(SANDBOX)
-        assert sw.status()["steering"] is True
-        gw.start()
-        yield gw, sw, net
-    finally:
-        gw.stop()
-        if sw is not None:
-            for sb in sw.sandboxes():
-                with suppress(Exception):
-                    sw.detach_sandbox(sb.sandbox_id)
-            with suppress(Exception):
-                sw.close()
-        # The gw namespace is shared by the whole session: leave nothing of cubevs in it.
-        from cubevs import steering
-        with suppress(Exception):
-            steering.remove(lab.gw_ns)
-        _nft_delete(lab.gw_ns, "netdev", "cubegate")
-        subprocess.run(["ip", "-n", lab.gw_ns, "addr", "del", "10.200.0.1/32", "dev", "lo"],
-                       capture_output=True, timeout=10)
-        if bpffs.is_dir():
-            with suppress(Exception):
-                bpf_loader.remove_pins(bpffs)
-            with suppress(Exception):
-                bpf_loader.umount_bpffs(bpffs)
-        shutil.rmtree(bpffs, ignore_errors=True)
+    with switch_lab(lab, tmp_path_factory.mktemp("tlab"), POLICY, sandbox=SANDBOX, tport=TPORT,
+                    prefix="cg") as env:
+        yield env
 
 
 def sandbox_curl(lab, net, url: str, *args: str, timeout: float = 5) -> subprocess.CompletedProcess:
