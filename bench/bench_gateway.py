@@ -24,7 +24,6 @@ import http.client
 import shutil
 import socket
 import ssl
-import statistics
 import subprocess
 import sys
 import threading
@@ -37,6 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from testbed.lab import Lab  # noqa: E402
 from tests.gateway.harness import Gateway  # noqa: E402
+from tests.gateway.rawclient import read_head  # noqa: E402
 
 HOST = "api.allowed.test"
 HOST_IP = "198.18.0.10"
@@ -69,18 +69,6 @@ LogLevel Error
 
 
 # ------------------------------------------------------------------ clients (run in the gw netns)
-def _read_head(sock: socket.socket) -> bytes:
-    head = b""
-    while b"\r\n\r\n" not in head:
-        data = sock.recv(4096)
-        if not data:
-            break
-        head += data
-        if len(head) > 65536:
-            break
-    return head
-
-
 def _status(head: bytes) -> int:
     try:
         return int(head.split(b" ", 2)[1])
@@ -101,7 +89,7 @@ def _connect(port: int, target: str, auth: str | None) -> tuple[socket.socket, i
     s = socket.create_connection(("127.0.0.1", port), timeout=IO_TIMEOUT)
     extra = f"Proxy-Authorization: {auth}\r\n" if auth else ""
     s.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{extra}\r\n".encode())
-    return s, _status(_read_head(s))
+    return s, _status(read_head(s))
 
 
 def one_request(kind: str, ctx: ssl.SSLContext, port: int, auth: str | None) -> bool:

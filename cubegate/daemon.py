@@ -14,6 +14,7 @@ from pathlib import Path
 from egress import netguard
 from egress.audit.index import AuditIndex
 from egress.audit.log import AuditLog
+from egress.audit.record import now_ts
 from egress.engine import build_master, listeners_bound
 from egress.gate import PolicyGate
 from egress.identity import IdentityStore
@@ -220,16 +221,10 @@ class Daemon:
             self._lookup.close()
 
 
-def _stamp() -> str:
-    import time
-    t = time.time()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
-
-
 def _admin_record(rec: dict) -> dict:
     """Vault admin actions → audit records (never a value: the vault hook carries none)."""
     import uuid
-    return {"id": uuid.uuid4().hex, "ts": _stamp(), "event": "admin",
+    return {"id": uuid.uuid4().hex, "ts": now_ts(), "event": "admin",
             "decision": "allow" if rec.get("outcome", "ok") == "ok" else "deny",
             "reason": rec.get("reason") or rec.get("action"), "status": rec.get("status"),
             "extra": {k: v for k, v in rec.items() if k in

@@ -11,7 +11,6 @@ Decision logic lives in egress.policy (pure); this module is the edge.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -24,6 +23,7 @@ from mitmproxy.proxy.layer import NextLayer
 
 from egress import netguard
 from egress.audit.log import AuditWriteError
+from egress.audit.record import now_ts
 from egress.http_checks import (PROXY_ONLY_HEADERS, Refusal, check_framing,
                                 check_header_limits, split_host_port)
 from egress.identity import Identity, IdentityStore
@@ -139,7 +139,7 @@ class PolicyGate:
     def _audit(self, event: str, st: ConnState | None, **fields: Any) -> bool:
         rec: dict[str, Any] = {
             "id": uuid.uuid4().hex,
-            "ts": _now_rfc3339(),
+            "ts": now_ts(),
             "event": event,
         }
         if st is not None:
@@ -597,8 +597,3 @@ def _explain(d: Decision) -> str:
 def _path_only(path: str) -> str:
     # Query strings may carry secrets (placeholders, keys): the audit log keeps the path only.
     return path.split("?", 1)[0][:2048]
-
-
-def _now_rfc3339() -> str:
-    t = time.time()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"

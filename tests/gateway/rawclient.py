@@ -41,13 +41,18 @@ def connect_tunnel(port: int, target: str, auth: str, timeout: float = 5.0) -> t
     s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
     s.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth}\r\n\r\n".encode())
     s.settimeout(timeout)
+    return s, read_head(s)
+
+
+def read_head(sock: socket.socket, limit: int = 65536) -> bytes:
+    """Bytes up to the end of an HTTP response head (or EOF / limit)."""
     head = b""
-    while b"\r\n\r\n" not in head:
-        data = s.recv(4096)
+    while b"\r\n\r\n" not in head and len(head) <= limit:
+        data = sock.recv(4096)
         if not data:
             break
         head += data
-    return s, head
+    return head
 
 
 def connect_status(head: bytes) -> int:
