@@ -4,7 +4,7 @@
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
-APT_PACKAGES := clang llvm libbpf-dev bpftool nftables bubblewrap iproute2 curl dnsutils tinyproxy procps psmisc
+APT_PACKAGES := gcc libc6-dev clang llvm libbpf-dev bpftool nftables bubblewrap iproute2 curl dnsutils tinyproxy procps psmisc
 
 .PHONY: setup apt venv demo test bench bpf clean
 
@@ -26,6 +26,7 @@ venv: $(VENV)/.installed
 
 bpf: venv
 	$(PY) -m cubevs.build
+	$(PY) -m sandbox_runtime.build_agent
 
 demo: setup
 	$(VENV)/bin/cubegate demo

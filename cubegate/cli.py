@@ -241,6 +241,8 @@ def _mount_optional_groups() -> None:
     from egress.audit.cli import audit
 
     main.add_command(audit, "audit")
+    from cubegate.sandbox_cli import sandbox_cli
+    main.add_command(sandbox_cli, "sandbox")
     try:
         from vault.cli import vault_cli
     except ImportError:

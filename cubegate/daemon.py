@@ -44,6 +44,7 @@ class Daemon:
     async def start(self) -> None:
         s = self.settings
         Path(s.state_dir).mkdir(parents=True, exist_ok=True)
+        _raise_nofile_limit()  # every connection costs two fds (client + upstream)
         # Policy first: no valid policy → no daemon (PolicyError propagates with file:line).
         self.policies = PolicyStore(s.policy_dir)
         self.audit = AuditLog(s.audit_dir, max_bytes=s.audit.max_bytes, keep_files=s.audit.keep_files,
@@ -71,15 +72,19 @@ class Daemon:
             audit=self.audit, metrics=self.metrics, credentials=self._credentials(),
             sandbox_lookup=self._sandbox_lookup(),
             max_header_count=s.proxy.max_header_count, max_header_bytes=s.proxy.max_header_bytes,
+            header_timeout=s.proxy.header_timeout, upstream_timeout=s.proxy.upstream_timeout,
+            connect_timeout=s.proxy.connect_timeout,
         )
         from cubegate import sandbox_dns  # sandbox DNS resolver (settings.dns; off when listen_host is null)
         self._dns = await sandbox_dns.start_for(self)
+        from cubegate import runtime_service  # sandboxes + their API (runtime.enabled); creates the switch
+        self._runtime = await runtime_service.start_for(self)
         from cubegate import netwatch  # switch counters on /metrics, drop events to audit (transparent mode)
         self._netwatch = await netwatch.start_for(self)
         self.master = build_master(
             gate=self.gate, listen_host=s.proxy.listen_host, explicit_port=s.proxy.explicit_port,
             transparent_port=s.proxy.transparent_port, confdir=str(s.ca_dir),
-            upstream_ca_bundle=s.upstream.ca_bundle,
+            upstream_ca_bundle=s.upstream.ca_bundle, idle_timeout=s.proxy.idle_timeout,
         )
         self._add_readiness_checks()
         self.vault_api = None
@@ -91,6 +96,9 @@ class Daemon:
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
         self._tasks.append(asyncio.create_task(self._policy_watch(s.policy_poll_seconds), name="policy-watch"))
         self._tasks.append(asyncio.create_task(self._index_loop(), name="audit-index"))
+        from egress.engine import widen_listen_backlog  # bursts of connects must not be dropped
+        self._tasks.append(asyncio.create_task(widen_listen_backlog(self.master), name="listen-backlog"))
+        # (the mitmproxy task stays last: run() watches self._tasks[-1])
         self._tasks.append(asyncio.create_task(self.master.run(), name="mitmproxy"))
 
     def _open_vault(self):
@@ -169,7 +177,7 @@ class Daemon:
         while True:
             await asyncio.sleep(interval)
             try:
-                self._count_reload(self.policies.check_for_changes())
+                self._count_reload(self.policies.check_for_changes(settle=True))
             except Exception:  # keep watching; the old policy stays in force
                 log.exception("policy watch iteration failed")
 
@@ -195,9 +203,11 @@ class Daemon:
 
     async def stop(self) -> None:
         if self.master is not None:
-            ps = self.master.addons.get("proxyserver")
-            if ps is not None:
-                await ps.servers.update([])
+            # Graceful drain (egress/drain.py): all listeners closed first so a new
+            # gateway can bind, in-flight flows finish up to proxy.drain_seconds.
+            from egress.drain import drain
+            await drain(self.master, self.settings.proxy.drain_seconds,
+                        close_first=(self.ops_server, getattr(self, "vault_api", None)))
             self.master.shutdown()
         if self.ops_server is not None:
             self.ops_server.stop()
@@ -210,6 +220,8 @@ class Daemon:
         await sandbox_dns.stop_for(getattr(self, "_dns", None))
         from cubegate import netwatch
         await netwatch.stop_for(getattr(self, "_netwatch", None))
+        from cubegate import runtime_service
+        await runtime_service.stop_for(getattr(self, "_runtime", None))
         if self._uninstall_resolver:
             self._uninstall_resolver()
         try:
@@ -221,6 +233,17 @@ class Daemon:
             self._lookup.close()
 
 
+def _raise_nofile_limit() -> None:
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as e:
+            log.warning("cannot raise RLIMIT_NOFILE from %s to %s: %s", soft, hard, e)
+    log.info("open files limit: %s", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
 def _admin_record(rec: dict) -> dict:
     """Vault admin actions → audit records (never a value: the vault hook carries none)."""
     import uuid
@@ -228,5 +251,6 @@ def _admin_record(rec: dict) -> dict:
             "decision": "allow" if rec.get("outcome", "ok") == "ok" else "deny",
             "reason": rec.get("reason") or rec.get("action"), "status": rec.get("status"),
             "extra": {k: v for k, v in rec.items() if k in
-                      ("action", "tenant", "secret_id", "version", "binding_id", "actor", "outcome", "remote")}}
+                      ("action", "tenant", "secret_id", "version", "binding_id", "actor", "outcome", "remote",
+                       "sandbox", "program", "exit_code", "path")}}
 

@@ -25,6 +25,10 @@ class ProxySettings:
     explicit_port: int = 8080
     transparent_port: int | None = None      # set when cubevs steers traffic here
     connect_timeout: float = 10.0
+    idle_timeout: int = 300                  # close a connection idle this long (mitmproxy tcp_timeout)
+    header_timeout: float = 15.0             # slowloris: request head / ClientHello complete this long after connect
+    upstream_timeout: float = 300.0          # connect + response head (not body) from the upstream, else 502
+    drain_seconds: float = 10.0              # SIGTERM: in-flight flows may finish this long
     max_header_bytes: int = 32 * 1024
     max_header_count: int = 100
 
@@ -72,6 +76,24 @@ class DnsSettings:
 
 
 @dataclass(frozen=True)
+class RuntimeSettings:
+    enabled: bool = False                    # sandbox runtime + its REST API (needs transparent mode)
+    api_port: int = 9092                     # loopback only
+    backends: tuple[str, ...] = ("namespace",)   # namespace | microvm
+    default_backend: str = "namespace"
+    memory_mb: int | None = None             # host budget; None = MemTotal - host_reserve_mb
+    cpus: float | None = None                # host budget; None = CPUs this process may use
+    max_sandboxes: int = 1000
+    host_reserve_mb: int = 512
+    default_memory_mb: int = 256             # per-sandbox limits when a request names none
+    default_cpus: float = 0.25
+    default_pids: int = 256
+    default_disk_mb: int = 256
+    microvm_assets: str | None = None        # default: <state_dir>/microvm
+    hub_netns: str | None = None             # cubevs hub namespace (None = the daemon's own)
+
+
+@dataclass(frozen=True)
 class Settings:
     state_dir: str = "/var/lib/cubegate"
     policy_dir: str = "policies"
@@ -83,6 +105,7 @@ class Settings:
     vault: VaultSettings = field(default_factory=VaultSettings)
     cubevs: CubevsSettings = field(default_factory=CubevsSettings)
     dns: DnsSettings = field(default_factory=DnsSettings)
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
 
     # Derived paths -------------------------------------------------------
     @property
@@ -104,6 +127,14 @@ class Settings:
     @property
     def cubevs_state_dir(self) -> Path:
         return Path(self.cubevs.state_dir or Path(self.state_dir) / "cubevs")
+
+    @property
+    def runtime_dir(self) -> Path:
+        return Path(self.state_dir) / "runtime"
+
+    @property
+    def microvm_assets_dir(self) -> Path:
+        return Path(self.runtime.microvm_assets or Path(self.state_dir) / "microvm")
 
     @property
     def vault_key_file(self) -> Path:
@@ -157,6 +188,20 @@ def _validate(s: Settings) -> Settings:
         raise SettingsError(f"dns.port: must be a port number 1-65535, got {dp!r}")
     if s.dns.listen_host is not None and not isinstance(s.dns.listen_host, str):
         raise SettingsError(f"dns.listen_host: expected a string, got {s.dns.listen_host!r}")
+    rt = s.runtime
+    if rt.enabled and not tp:
+        raise SettingsError("runtime.enabled needs proxy.transparent_port: sandbox traffic is steered there")
+    for b in rt.backends:
+        if b not in ("namespace", "microvm"):
+            raise SettingsError(f"runtime.backends: unknown backend {b!r} (namespace, microvm)")
+    if rt.default_backend not in rt.backends:
+        raise SettingsError(f"runtime.default_backend {rt.default_backend!r} is not in runtime.backends")
+    if not isinstance(rt.api_port, int) or not 1 <= rt.api_port <= 65535:
+        raise SettingsError(f"runtime.api_port: must be a port number 1-65535, got {rt.api_port!r}")
+    for name in ("connect_timeout", "idle_timeout", "header_timeout", "upstream_timeout"):
+        v = getattr(s.proxy, name)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+            raise SettingsError(f"proxy.{name}: must be a number of seconds > 0, got {v!r}")
     if s.audit.fsync not in ("always", "interval", "never"):
         raise SettingsError(f"audit.fsync: must be always, interval or never, got {s.audit.fsync!r}")
     for cidr in (*s.upstream.allow_cidrs, *s.upstream.deny_cidrs):

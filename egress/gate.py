@@ -11,6 +11,7 @@ Decision logic lives in egress.policy (pure); this module is the edge.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -89,6 +90,7 @@ class ConnState:
     bytes_in: int = 0                # upstream → sandbox
     requests: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    head_timer: Any = None           # slowloris: fires if the request head / ClientHello is not complete
 
 
 class _CountingReader:
@@ -122,6 +124,9 @@ class PolicyGate:
         sandbox_lookup: SandboxLookup | None = None,
         max_header_count: int = 100,
         max_header_bytes: int = 32 * 1024,
+        header_timeout: float | None = None,
+        upstream_timeout: float | None = None,
+        connect_timeout: float | None = None,
     ):
         self.policies = policies
         self.identities = identities
@@ -133,6 +138,11 @@ class PolicyGate:
         self.sandbox_lookup = sandbox_lookup
         self.max_header_count = max_header_count
         self.max_header_bytes = max_header_bytes
+        self.header_timeout = header_timeout
+        self.upstream_timeout = upstream_timeout
+        self.connect_timeout = connect_timeout
+        self._connect_timers: dict[str, asyncio.TimerHandle] = {}
+        self._connect_timeouts: set[str] = set()
         self.conns: dict[str, ConnState] = {}
 
     # ------------------------------------------------------------------ helpers
@@ -173,6 +183,64 @@ class PolicyGate:
         handler = ps.connections.get(client.id) if ps else None
         if handler is not None:
             handler.close_connection(client)
+
+    # --------------------------------------------------------------- deadlines
+    # mitmproxy 12 only has tcp_timeout, an inactivity timer that every byte resets:
+    # a client sending its head at 1 byte/s, or an upstream trickling its answer,
+    # would hold a connection forever. These timers bound the whole head instead.
+    def _arm_head_timer(self, st: ConnState, client: connection.Client) -> None:
+        self._disarm_head_timer(st)
+        if self.header_timeout:
+            st.head_timer = asyncio.get_running_loop().call_later(self.header_timeout, self._head_timed_out, client)
+
+    @staticmethod
+    def _disarm_head_timer(st: ConnState | None) -> None:
+        if st is not None and st.head_timer is not None:
+            st.head_timer.cancel()
+            st.head_timer = None
+
+    def _head_timed_out(self, client: connection.Client) -> None:
+        st = self.conns.get(client.id)
+        if st is None:
+            return
+        st.head_timer = None
+        st.kind, st.denied_reason = "denied", "header_timeout"  # in the connection_closed record
+        self._count(st, "deny", "header_timeout", "connect")
+        self._kill_client(client)
+
+    def _arm_upstream_timer(self, flow: http.HTTPFlow) -> None:
+        if self.upstream_timeout and "cubegate_up_timer" not in flow.metadata:
+            flow.metadata["cubegate_up_timer"] = asyncio.get_running_loop().call_later(
+                self.upstream_timeout, self._upstream_timed_out, flow)
+
+    @staticmethod
+    def _disarm_upstream_timer(flow: http.HTTPFlow) -> None:
+        timer = flow.metadata.pop("cubegate_up_timer", None)
+        if timer is not None:
+            timer.cancel()
+
+    def _upstream_timed_out(self, flow: http.HTTPFlow) -> None:
+        """No complete response head in time: drop the upstream side; mitmproxy answers the client 502."""
+        flow.metadata.pop("cubegate_up_timer", None)
+        st = self.conns.get(flow.client_conn.id)
+        if st is not None:
+            self._audit("decision", st, decision="deny", reason="upstream_timeout", method=flow.request.method,
+                        path=_path_only(flow.request.path), status=502,
+                        extra={"error": f"no response head within {self.upstream_timeout}s"})
+            self._count(st, "deny", "upstream_timeout", "upstream")
+        ps = ctx.master.addons.get("proxyserver")
+        handler = ps.connections.get(flow.client_conn.id) if ps else None
+        io = handler.transports.get(flow.server_conn) if handler is not None else None
+        if io is not None and io.handler is not None:
+            io.handler.cancel("upstream timeout")
+        elif handler is not None:
+            handler.close_connection(flow.client_conn)
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        self._disarm_upstream_timer(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._disarm_upstream_timer(flow)
 
     @staticmethod
     def _deny_response(status: int, reason: str, detail: str) -> http.Response:
@@ -223,6 +291,7 @@ class PolicyGate:
         )
         self.conns[client.id] = st
         self.metrics.active_connections.inc()
+        self._arm_head_timer(st, client)
         if st.transparent:
             ident = self.sandbox_lookup.lookup_by_ip(client.peername[0]) if self.sandbox_lookup else None
             if ident is None:
@@ -256,6 +325,7 @@ class PolicyGate:
         self.metrics.active_connections.dec()
         if st is None:
             return
+        self._disarm_head_timer(st)
         duration = time.monotonic() - st.started
         sandbox = st.identity.sandbox_id if st.identity else "-"
         self.metrics.bytes.labels(sandbox, "out").inc(st.bytes_out)
@@ -275,6 +345,7 @@ class PolicyGate:
         if st is None:
             flow.response = self._deny_response(503, "no_connection_state", "internal error")
             return
+        self._disarm_head_timer(st)
         t0 = time.perf_counter()
         st.identity = self.identities.authenticate_header(flow.request.headers.get("Proxy-Authorization"))
         if st.identity is None:
@@ -309,6 +380,8 @@ class PolicyGate:
             return
         st.tunnel = True
         self._count(st, decision.action, decision.reason, "connect")
+        if st.port in TLS_PORTS | PLAIN_HTTP_PORTS:
+            self._arm_head_timer(st, flow.client_conn)  # the ClientHello / first request must follow in time
 
     # ------------------------------------------------------------- next layer
     def next_layer(self, nextlayer: NextLayer) -> None:
@@ -338,6 +411,7 @@ class PolicyGate:
     async def tls_clienthello(self, data: tls.ClientHelloData) -> None:
         client = data.context.client
         st = self.conns.get(client.id)
+        self._disarm_head_timer(st)
         if st is None or st.kind == "denied":
             self._kill_client(client)
             return
@@ -412,6 +486,7 @@ class PolicyGate:
         if flow.request.method == "CONNECT":
             return
         st = self.conns.get(flow.client_conn.id)
+        self._disarm_head_timer(st)
         if st is None or st.kind == "denied":
             flow.response = self._deny_response(403, "connection_denied", "connection was refused")
             return
@@ -519,6 +594,7 @@ class PolicyGate:
             return
         refusal = self.credentials.on_request_body(flow, st)
         if refusal is None:
+            self._arm_upstream_timer(flow)  # connect + response head must come within upstream_timeout
             return
         self._audit("request", st, scheme=flow.request.scheme, method=flow.request.method,
                     path=_path_only(flow.request.path), decision="deny", reason=refusal.reason, status=refusal.status)
@@ -560,8 +636,33 @@ class PolicyGate:
                 return
         if st.host is not None and (host != st.host or port != st.port):
             data.server.error = f"cubegate: upstream {host}:{port} is not the decided destination {st.host}:{st.port}"
+            return
+        if self.connect_timeout:
+            # mitmproxy dials without a timeout: a black-holed address would hold the
+            # sandbox for the kernel's SYN retries (~2 min).
+            self._connect_timers[data.server.id] = asyncio.get_running_loop().call_later(
+                self.connect_timeout, self._connect_timed_out, data.client, data.server)
+
+    def _connect_timed_out(self, client: connection.Client, server: connection.Server) -> None:
+        self._connect_timers.pop(server.id, None)
+        ps = ctx.master.addons.get("proxyserver")
+        handler = ps.connections.get(client.id) if ps else None
+        io = handler.transports.get(server) if handler is not None else None
+        if io is not None and io.handler is not None and server.timestamp_tcp_setup is None:
+            self._connect_timeouts.add(server.id)
+            io.handler.cancel("upstream connect timeout")
+
+    def _connect_done(self, server: connection.Server) -> bool:
+        timer = self._connect_timers.pop(server.id, None)
+        if timer is not None:
+            timer.cancel()
+        if server.id in self._connect_timeouts:
+            self._connect_timeouts.discard(server.id)
+            return True
+        return False
 
     def server_connected(self, data: server_hooks.ServerConnectionHookData) -> None:
+        self._connect_done(data.server)
         st = self.conns.get(data.client.id)
         peer = data.server.peername
         if st is None or peer is None:
@@ -577,11 +678,14 @@ class PolicyGate:
         self._wrap_reader(data.server, "in", st)
 
     def server_connect_error(self, data: server_hooks.ServerConnectionHookData) -> None:
+        timed_out = self._connect_done(data.server)
         st = self.conns.get(data.client.id)
         if st is None:
             return
         err = data.server.error or "connect failed"
         reason = "upstream_blocked" if "blocked destination" in err else "upstream_connect_failed"
+        if timed_out:
+            reason, err = "upstream_connect_timeout", f"no TCP connection within {self.connect_timeout}s"
         st.denied_reason = st.denied_reason or reason
         self._audit("decision", st, decision="deny", reason=reason, extra={"error": err[:300]})
         self._count(st, "deny", reason, "upstream")

@@ -264,6 +264,23 @@ class Lab:
         self._spawned.append(popen)
         return popen
 
+    def add_host(self, name: str, ip: str) -> None:
+        """One more address in the net namespace and a DNS name for it (test-owned servers).
+
+        The address stays until the lab closes; pick one outside HOSTS.
+        """
+        if ip not in self.hosts.values():
+            netns.add_addr(self.net_ns, self.net_dev, f"{ip}/32")
+        self.hosts[name] = ip
+        self.set_zone(name, [ip])
+
+    def spawn_net(self, argv: Sequence[str], **kw: Any) -> subprocess.Popen:
+        """subprocess.Popen in the net ("internet") namespace; the lab kills it on close."""
+        kw.setdefault("env", self._env({"PYTHONPATH": _REPO_ROOT, "PYTHONUNBUFFERED": "1"}))
+        popen = netns.spawn(self.net_ns, [str(a) for a in argv], **kw)
+        self._spawned.append(popen)
+        return popen
+
     def call_gw(self, fn: Callable[..., T], *args: Any, timeout: float | None = 60, **kw: Any) -> T:
         """Run a Python callable in a thread inside the gw namespace."""
         return netns.call_in_netns(self.gw_ns, fn, *args, timeout=timeout, **kw)

@@ -45,6 +45,7 @@ class PolicyStore:
         self._callbacks: list[ChangeCallback] = []
         self._current = self._load()
         self._stamp = self._fingerprint()
+        self._pending: tuple | None = None   # stats seen changed once, not yet stable (settle)
         self.last_error: str | None = None
 
     @property
@@ -89,11 +90,28 @@ class PolicyStore:
 
     def reload(self) -> ReloadResult:
         """Load and compile again; swap only on success. Never raises PolicyError."""
+        return self._reload(None)
+
+    def _reload(self, expect: tuple | None) -> ReloadResult | None:
         with self._lock:
-            self._stamp = self._fingerprint()
-            try:
-                new = self._load()
-            except PolicyError as exc:
+            for _ in range(3):
+                stamp = self._fingerprint()
+                if expect is not None and stamp != expect:
+                    self._pending = stamp   # changed again since the settled look: not yet
+                    return None
+                self._stamp = stamp
+                try:
+                    new = self._load()
+                except PolicyError as exc:
+                    new, error = None, exc
+                # A file rewritten while we read it may have been read half-way: read again.
+                if self._fingerprint() == self._stamp:
+                    break
+            else:
+                self._stamp = ()     # still changing: keep the old policy, look again next poll
+                return ReloadResult(True, None, self._current.digest, False)
+            if new is None:
+                exc = error
                 self.last_error = str(exc)
                 log.error("policy reload failed, keeping digest %s in force:\n%s", self._current.digest[:12], exc)
                 return ReloadResult(False, str(exc), self._current.digest, False)
@@ -110,11 +128,23 @@ class PolicyStore:
                 log.exception("policy change callback failed")
         return ReloadResult(True, None, new.digest, True)
 
-    def check_for_changes(self) -> ReloadResult | None:
-        """Reload if the files' stats changed since the last look; else None."""
-        if self._fingerprint() == self._stamp:
+    def check_for_changes(self, *, settle: bool = False) -> ReloadResult | None:
+        """Reload if the files' stats changed since the last look; else None.
+
+        settle=True (the daemon's poller): reload only once the new stats were seen
+        on two looks in a row, so a file being written in pieces (`cat > f`, an
+        editor writing in place) is not loaded half-way; a half-written file can
+        be a valid, different policy.
+        """
+        fp = self._fingerprint()
+        if fp == self._stamp:
+            self._pending = None
             return None
-        return self.reload()
+        if settle and fp != self._pending:
+            self._pending = fp
+            return None
+        self._pending = None
+        return self._reload(fp if settle else None)
 
     async def watch(self, interval: float = 1.0) -> None:
         """Poll for changes until cancelled."""

@@ -17,20 +17,26 @@ def nft_delete(ns: str, family: str, table: str) -> None:
 
 
 @contextmanager
-def switch_lab(lab, tmp, policy: str, *, sandbox: str, tport: int, prefix: str, settings_extra=None):
+def switch_lab(lab, tmp, policy: str, *, sandbox: str | None, tport: int, prefix: str, settings_extra=None,
+               before_start=None):
+    """sandbox=None: attach none (the runtime attaches its own); before_start(gw) runs after the
+    switch exists and before the gateway starts (vault set-up)."""
     from cubevs import bpf_loader, steering
     from cubevs.switch import Switch
 
     cubevs_state, bpffs = tmp / "cubevs", tmp / "bpf"
     extra = {"proxy": {"listen_host": "0.0.0.0", "transparent_port": tport},
              "cubevs": {"state_dir": str(cubevs_state)}, **(settings_extra or {})}
-    gw = Gateway(lab, tmp / "gw", {"main.yaml": policy}, sandboxes={sandbox: {"team": "t"}}, settings_extra=extra)
+    gw = Gateway(lab, tmp / "gw", {"main.yaml": policy}, sandboxes={sandbox: {"team": "t"}} if sandbox else None,
+                 settings_extra=extra)
     sw = None
     try:
         sw = Switch(hub_netns=lab.gw_ns, state_dir=cubevs_state, bpffs_dir=bpffs,
                     transparent_port=tport, gateway_ports=(tport, gw.proxy_port),
                     hub_addrs=(lab.gw_addr,), netns_prefix=prefix + uuid.uuid4().hex[:4])
-        net = sw.attach_sandbox(sandbox)
+        net = sw.attach_sandbox(sandbox) if sandbox else None
+        if before_start is not None:
+            before_start(gw)
         gw.start()
         yield gw, sw, net
     finally:

@@ -1,0 +1,176 @@
+"""Sandbox start latency and idle memory, per backend (root; a private hub namespace).
+
+Through the real SandboxManager: admission, cubevs attach (eBPF), backend start,
+agent answered. Reference in the same run: a bare `bwrap ... true` (namespace
+backend: what bubblewrap alone costs) and a cold QEMU boot (microvm: what the
+snapshot saves). Results as ratios to the reference.
+
+    .venv/bin/python bench/bench_sandbox.py [--backends namespace,microvm] [--conc 1,10,50] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cubevs import bpf_loader, netns  # noqa: E402
+from cubevs.switch import Switch  # noqa: E402
+from sandbox_runtime.backend import Limits  # noqa: E402
+from sandbox_runtime.capacity import Budget, meminfo_mb  # noqa: E402
+from sandbox_runtime.manager import CreateRequest, SandboxManager  # noqa: E402
+from sandbox_runtime.state import StateStore  # noqa: E402
+
+TIME_CAP_S = 240.0
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def bare_bwrap_ms(n: int = 10) -> float:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        subprocess.run(["bwrap", "--unshare-all", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
+                        "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--proc", "/proc",
+                        "--dev", "/dev", "true"], check=True)
+        out.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(out)
+
+
+class Env:
+    def __init__(self, backends: list[str]):
+        self.tag = "cb" + secrets.token_hex(3)
+        self.hub = self.tag + "h"
+        self.tmp = Path(tempfile.mkdtemp(prefix=self.tag))
+        netns.create(self.hub)
+        self.sw = Switch(hub_netns=self.hub, state_dir=self.tmp / "cubevs", bpffs_dir=self.tmp / "bpf",
+                         netns_prefix=self.tag + "s")
+        impls = {}
+        for b in backends:
+            if b == "namespace":
+                from sandbox_runtime.namespace import NamespaceBackend
+                impls[b] = NamespaceBackend(self.tmp / "ns")
+            else:
+                from sandbox_runtime.microvm.backend import MicrovmBackend
+                from sandbox_runtime.microvm.assets import default_assets_dir
+                impls[b] = MicrovmBackend(self.tmp / "vm", default_assets_dir())
+        mem = meminfo_mb()["MemTotal"] - 1024
+        self.mgr = SandboxManager(switch=self.sw, backends=impls, state=StateStore(self.tmp / "state.sqlite3"),
+                                  budget=Budget(memory_mb=mem, cpus=float(os.cpu_count()), max_sandboxes=1000))
+
+    def close(self):
+        for r in self.mgr.list():
+            with suppress(Exception):
+                self.mgr.destroy(r["id"])
+        with suppress(Exception):
+            self.sw.close()
+        for name in os.listdir(netns.NETNS_RUN_DIR):
+            if name.startswith(self.tag):
+                netns.remove(name)
+        if (self.tmp / "bpf").is_dir():
+            with suppress(Exception):
+                bpf_loader.remove_pins(self.tmp / "bpf")
+                bpf_loader.umount_bpffs(self.tmp / "bpf")
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def run_level(env: Env, backend: str, conc: int, rounds: int, limits: Limits, deadline: float) -> dict:
+    lat, failures, mem_cg = [], 0, []
+    seq = 0
+    for _ in range(rounds):
+        if time.monotonic() > deadline:
+            break
+        ids = [f"b{backend[0]}{conc}-{seq + i}" for i in range(conc)]
+        seq += conc
+        avail0 = meminfo_mb()["MemAvailable"]
+
+        def one(sid):
+            t0 = time.perf_counter()
+            env.mgr.create(CreateRequest(sandbox_id=sid, tenant="bench", backend=backend, limits=limits))
+            return (time.perf_counter() - t0) * 1000
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(conc) as ex:
+            futs = [ex.submit(one, s) for s in ids]
+            for f in futs:
+                try:
+                    lat.append(f.result())
+                except Exception as e:  # noqa: BLE001
+                    failures += 1
+                    print(f"  create failed: {e}", flush=True)
+        wall = time.perf_counter() - t0
+        time.sleep(1.0)   # let them settle to idle
+        for r in env.mgr.list():
+            with suppress(Exception):
+                mem_cg.append(env.mgr.get(r["id"])["usage"]["memory_bytes"])
+        host_per_sb = (avail0 - meminfo_mb()["MemAvailable"]) / max(1, conc - failures)
+        for s in ids:
+            with suppress(Exception):
+                env.mgr.destroy(s)
+    if not lat:
+        return {"backend": backend, "conc": conc, "n": 0, "failures": failures}
+    return {"backend": backend, "conc": conc, "n": len(lat), "failures": failures,
+            "p50": pct(lat, 50), "p95": pct(lat, 95), "p99": pct(lat, 99), "wall_s": wall,
+            "mem_mb": statistics.median(mem_cg) / 2**20 if mem_cg else float("nan"), "host_mb": host_per_sb}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backends", default="namespace,microvm")
+    ap.add_argument("--conc", default="1,10,50")
+    ap.add_argument("--quick", action="store_true", help="namespace: 1,10,50 once; microvm: 1,10")
+    a = ap.parse_args()
+    backends = [b for b in a.backends.split(",") if b]
+    env = Env(backends)
+    deadline = time.monotonic() + TIME_CAP_S
+    try:
+        rows = []
+        for b in backends:
+            ok, why = env.mgr.backends[b].available()
+            if not ok:
+                print(f"{b}: not available: {why}")
+                continue
+            ref = bare_bwrap_ms() if b == "namespace" else None
+            if b == "microvm":
+                ref = env.mgr.backends[b].cold_boot_ms() if hasattr(env.mgr.backends[b], "cold_boot_ms") else None
+            limits = Limits(memory_mb=64, cpus=0.02, pids=64, disk_mb=16) if b == "namespace" else \
+                Limits(memory_mb=192, cpus=0.02, pids=256, disk_mb=64)
+            for c in (int(x) for x in a.conc.split(",")):
+                if b == "microvm" and a.quick and c > 10:
+                    continue
+                rounds = 1 if (a.quick or c > 1) else (10 if b == "namespace" else 3)
+                r = run_level(env, b, c if c > 1 else 1, rounds, limits, deadline)
+                r["ref_ms"] = ref
+                rows.append(r)
+                print(r, flush=True)
+        print("\nbackend     conc    n  fail   p50 ms   p95 ms   p99 ms  p50/ref  idle MB (cgroup)  host MB/sandbox")
+        for r in rows:
+            if not r.get("n"):
+                print(f"{r['backend']:<10} {r['conc']:>5} {0:>4} {r['failures']:>5}   (no sandbox started)")
+                continue
+            ratio = f"{r['p50'] / r['ref_ms']:.1f}x" if r.get("ref_ms") else "-"
+            print(f"{r['backend']:<10} {r['conc']:>5} {r['n']:>4} {r['failures']:>5} {r['p50']:>8.1f} {r['p95']:>8.1f} "
+                  f"{r['p99']:>8.1f} {ratio:>8} {r['mem_mb']:>17.1f} {r['host_mb']:>16.1f}")
+        print("reference: namespace = bare `bwrap --unshare-all true` median "
+              f"{next((r['ref_ms'] for r in rows if r['backend'] == 'namespace'), float('nan')):.1f} ms; "
+              "microvm = cold boot of the same guest (if the backend reports it)")
+    finally:
+        env.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""What the sandbox runtime needs from the rest of cubegate, wired by the daemon:
+identities (so the gateway knows the sandbox and its labels), the policy (tenant
+check, L4 allow list) and the vault (placeholders; real values refused)."""
+from __future__ import annotations
+
+from cubegate.l4sync import l4_allow_for
+from sandbox_runtime.manager import InvalidRequest
+
+
+class DaemonHooks:
+    def __init__(self, daemon):
+        self.d = daemon
+
+    def register(self, sandbox_id: str, tenant: str, labels: dict[str, str]) -> None:
+        policy = self.d.policies.current.policy_for(sandbox_id, labels)
+        if policy is not None and policy.tenant is not None and policy.tenant != tenant:
+            raise InvalidRequest(f"policy {policy.name!r} applies to this sandbox and belongs to tenant "
+                                 f"{policy.tenant!r}, not {tenant!r}")
+        # The runtime owns the identity of the sandboxes it creates; the proxy token is
+        # not needed in transparent mode and is discarded.
+        self.d.identities.add(sandbox_id, labels, replace=True)
+
+    def forget(self, sandbox_id: str) -> None:
+        self.d.identities.remove(sandbox_id)
+
+    def l4_allow(self, sandbox_id: str, labels: dict[str, str]) -> list:
+        return l4_allow_for(self.d.policies.current, sandbox_id, labels)
+
+    def placeholders(self, tenant: str, sandbox_id: str) -> dict[str, str]:
+        v = self.d.vault
+        if v is None:
+            return {}
+        return v.placeholders_for_sandbox(tenant, sandbox_id)
+
+    def real_secrets_in(self, tenant: str, sandbox_id: str, data: str) -> list[str]:
+        v = self.d.vault
+        if v is None or not data:
+            return []
+        return v.find_leaks(tenant, sandbox_id, data)

@@ -1,0 +1,97 @@
+"""The sandbox runtime inside the daemon: switch, backends, manager, REST API.
+
+Started by Daemon.start() when runtime.enabled. Sandboxes outlive the daemon
+(their processes run in their own sessions); on start the manager re-finds
+them from its SQLite state and marks the dead ones failed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from sandbox_runtime.backend import Limits
+from sandbox_runtime.capacity import default_budget
+from sandbox_runtime.manager import SandboxManager
+from sandbox_runtime.metrics import RuntimeMetrics
+from sandbox_runtime.state import StateStore
+
+log = logging.getLogger("cubegate.runtime")
+
+
+def open_switch(settings):
+    from cubevs.registry import DB_NAME
+    from cubevs.switch import Switch
+    state_dir = settings.cubevs_state_dir
+    if (Path(state_dir) / DB_NAME).exists():
+        return Switch.reopen(state_dir)
+    p = settings.proxy
+    return Switch(hub_netns=settings.runtime.hub_netns, state_dir=state_dir, bpffs_dir=Path(state_dir) / "bpf",
+                  transparent_port=p.transparent_port, gateway_ports=(p.transparent_port, p.explicit_port),
+                  dns_port=settings.dns.port)
+
+
+def make_backends(settings, ca_bundle: Path) -> dict:
+    out = {}
+    rdir = settings.runtime_dir
+    for name in settings.runtime.backends:
+        if name == "namespace":
+            from sandbox_runtime.namespace import NamespaceBackend
+            out[name] = NamespaceBackend(rdir / "namespace", ca_bundle=ca_bundle)
+        elif name == "microvm":
+            from sandbox_runtime.microvm.backend import MicrovmBackend
+            out[name] = MicrovmBackend(rdir / "microvm", settings.microvm_assets_dir, ca_bundle=ca_bundle)
+    return out
+
+
+def default_limits(rt) -> Limits:
+    return Limits(memory_mb=rt.default_memory_mb, cpus=rt.default_cpus, pids=rt.default_pids,
+                  disk_mb=rt.default_disk_mb)
+
+
+class RuntimeService:
+    def __init__(self, manager: SandboxManager, api, switch):
+        self.manager, self.api, self.switch = manager, api, switch
+
+    async def close(self) -> None:
+        if self.api is not None:
+            self.api.stop()
+        await asyncio.to_thread(self._close_sync)
+
+    def _close_sync(self) -> None:
+        self.manager.state.close()
+        self.switch.close()   # sandboxes, pins and rules stay: they outlive the daemon
+
+
+async def start_for(daemon) -> RuntimeService | None:
+    s = daemon.settings
+    rt = s.runtime
+    if not rt.enabled:
+        return None
+    from egress.mitm_ca import ca_paths
+    from cubegate.runtime_api import serve
+    from cubegate.runtime_hooks import DaemonHooks
+
+    switch = await asyncio.to_thread(open_switch, s)   # pyroute2 runs its own loop: keep it off ours
+    backends = make_backends(s, ca_paths(s.ca_dir)[1])
+    for name, b in backends.items():
+        ok, why = b.available()
+        if not ok:
+            log.warning("runtime: backend %s not available: %s (creations with it fail)", name, why)
+    manager = SandboxManager(
+        switch=switch, backends=backends, state=StateStore(s.runtime_dir / "sandboxes.sqlite3"),
+        budget=default_budget(rt.memory_mb, rt.cpus, rt.max_sandboxes, rt.host_reserve_mb),
+        metrics=RuntimeMetrics(daemon.metrics.registry), hooks=DaemonHooks(daemon))
+    result = await asyncio.to_thread(manager.recover)
+    log.info("runtime: %d sandbox(es) kept, %d failed after restart", result["kept"], result["failed"])
+    api = serve(manager, host="127.0.0.1", port=rt.api_port, token_file=s.runtime_dir / "api.token",
+                vault_tokens=daemon.vault.tokens if daemon.vault is not None else None,
+                audit_hook=daemon._admin_audit, default_backend=rt.default_backend,
+                default_limits=default_limits(rt))
+    log.info("runtime: sandbox API on 127.0.0.1:%d, backends %s", api.port, ", ".join(backends))
+    return RuntimeService(manager, api, switch)
+
+
+async def stop_for(svc: RuntimeService | None) -> None:
+    if svc is not None:
+        await svc.close()

@@ -1,0 +1,149 @@
+"""`cubegate sandbox create|exec|ls|get|rm|init|cp`: a thin client of the daemon's sandbox API."""
+from __future__ import annotations
+
+import base64
+import json
+import sys
+from pathlib import Path
+
+import click
+import httpx
+
+
+class Api:
+    def __init__(self, port: int, token_file: Path, timeout: float = 120.0):
+        try:
+            token = token_file.read_text().strip()
+        except OSError as e:
+            raise click.ClickException(f"cannot read the runtime API token {token_file}: {e.strerror} "
+                                       "(is the daemon running with runtime.enabled, and are you root?)") from None
+        self.base = f"http://127.0.0.1:{port}/v1"
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.timeout = timeout
+
+    def call(self, method: str, path: str, **kw):
+        try:
+            r = httpx.request(method, self.base + path, headers=self.headers, timeout=self.timeout, **kw)
+        except httpx.HTTPError as e:
+            raise click.ClickException(f"sandbox API at {self.base}: {e}") from None
+        if r.status_code >= 400:
+            try:
+                msg = r.json().get("message", r.text)
+            except ValueError:
+                msg = r.text
+            raise click.ClickException(f"{r.status_code}: {msg}")
+        return r
+
+
+def _api(ctx: click.Context, timeout: float = 120.0) -> Api:
+    from cubegate.cli import _settings
+    s = _settings(ctx)
+    return Api(s.runtime.api_port, s.runtime_dir / "api.token", timeout)
+
+
+def _pairs(items: tuple[str, ...], what: str) -> dict[str, str]:
+    out = {}
+    for it in items:
+        k, sep, v = it.partition("=")
+        if not sep or not k:
+            raise click.BadParameter(f"{what} must be NAME=VALUE, got {it!r}")
+        out[k] = v
+    return out
+
+
+@click.group("sandbox")
+def sandbox_cli() -> None:
+    """Create, use and destroy sandboxes (needs the daemon with runtime.enabled)."""
+
+
+@sandbox_cli.command("create")
+@click.argument("sandbox_id")
+@click.option("--tenant", required=True)
+@click.option("--backend", default=None, help="namespace (default) or microvm")
+@click.option("--label", "labels", multiple=True, help="KEY=VALUE (policy selection)")
+@click.option("--env", "env", multiple=True, help="NAME=VALUE (never a real key: use --secret-env)")
+@click.option("--secret-env", "secret_env", multiple=True, help="NAME=SECRET_ID: NAME gets the secret's placeholder")
+@click.option("--file", "files", multiple=True, help="PATH_IN_WORKSPACE=LOCAL_FILE")
+@click.option("--memory-mb", type=int)
+@click.option("--cpus", type=float)
+@click.option("--pids", type=int)
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def create(ctx, sandbox_id, tenant, backend, labels, env, secret_env, files, memory_mb, cpus, pids, as_json):
+    """Create a sandbox; returns when its agent answered and its network is attached."""
+    doc = {"id": sandbox_id, "tenant": tenant, "labels": _pairs(labels, "--label"), "env": _pairs(env, "--env"),
+           "secret_env": _pairs(secret_env, "--secret-env"),
+           "files": {p: base64.b64encode(Path(f).read_bytes()).decode() for p, f in _pairs(files, "--file").items()},
+           "limits": {k: v for k, v in (("memory_mb", memory_mb), ("cpus", cpus), ("pids", pids)) if v is not None}}
+    if backend:
+        doc["backend"] = backend
+    out = _api(ctx).call("POST", "/sandboxes", json=doc).json()
+    click.echo(json.dumps(out, indent=2) if as_json else
+               f"{out['id']} {out['state']} {out['backend']} ip {out['ip']} started in {out['start_ms']} ms")
+
+
+@sandbox_cli.command("exec", context_settings={"ignore_unknown_options": True})
+@click.argument("sandbox_id")
+@click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.option("--timeout", type=float, default=30.0, show_default=True)
+@click.option("--env", "env", multiple=True, help="NAME=VALUE for this command only")
+@click.option("--stdin", "use_stdin", is_flag=True, help="send this command's stdin")
+@click.pass_context
+def exec_(ctx, sandbox_id, argv, timeout, env, use_stdin):
+    """Run ARGV in the sandbox; prints its stdout/stderr and exits with its exit code."""
+    doc = {"argv": list(argv), "timeout": timeout, "env": _pairs(env, "--env")}
+    if use_stdin:
+        doc["stdin_b64"] = base64.b64encode(sys.stdin.buffer.read()).decode()
+    out = _api(ctx, timeout + 30).call("POST", f"/sandboxes/{sandbox_id}/exec", json=doc).json()
+    sys.stdout.buffer.write(base64.b64decode(out["stdout_b64"]))
+    sys.stderr.buffer.write(base64.b64decode(out["stderr_b64"]))
+    if out["timed_out"]:
+        click.echo(f"cubegate: timed out after {timeout} s", err=True)
+    code = out["exit_code"]
+    sys.exit(code if 0 <= code < 256 else 128 + (-code if code < 0 else 1))
+
+
+@sandbox_cli.command("ls")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def ls(ctx, as_json):
+    """List sandboxes."""
+    rows = _api(ctx).call("GET", "/sandboxes").json()["sandboxes"]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    click.echo(f"{'ID':<24} {'TENANT':<14} {'BACKEND':<10} {'STATE':<8} {'IP':<15} {'MEM_MB':>6} START_MS")
+    for r in rows:
+        click.echo(f"{r['id']:<24} {r['tenant']:<14} {r['backend']:<10} {r['state']:<8} {r['ip'] or '-':<15} "
+                   f"{r['limits']['memory_mb']:>6} {r['start_ms']}")
+
+
+@sandbox_cli.command("get")
+@click.argument("sandbox_id")
+@click.pass_context
+def get(ctx, sandbox_id):
+    """One sandbox as JSON, with its measured usage."""
+    click.echo(json.dumps(_api(ctx).call("GET", f"/sandboxes/{sandbox_id}").json(), indent=2))
+
+
+@sandbox_cli.command("rm")
+@click.argument("sandbox_ids", nargs=-1, required=True)
+@click.pass_context
+def rm(ctx, sandbox_ids):
+    """Destroy sandboxes (processes, cgroups, network, identity)."""
+    api = _api(ctx)
+    for sid in sandbox_ids:
+        api.call("DELETE", f"/sandboxes/{sid}")
+        click.echo(f"{sid} destroyed")
+
+
+@sandbox_cli.command("init")
+@click.argument("sandbox_id")
+@click.option("--env", "env", multiple=True)
+@click.option("--secret-env", "secret_env", multiple=True)
+@click.pass_context
+def init(ctx, sandbox_id, env, secret_env):
+    """Re-apply runtime state (current placeholders + env); idempotent."""
+    out = _api(ctx).call("POST", f"/sandboxes/{sandbox_id}/init",
+                         json={"env": _pairs(env, "--env"), "secret_env": _pairs(secret_env, "--secret-env")}).json()
+    click.echo(f"{out['id']}: env {', '.join(out['env']) or '-'}")

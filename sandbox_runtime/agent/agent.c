@@ -1,0 +1,558 @@
+/* cubegate-agent: the exec agent that runs inside a sandbox (see PROTOCOL.md).
+ *
+ * Modes:
+ *   --listen-unix PATH   bind+listen on a unix socket, fork per connection
+ *   --listen-fd N        same, on an already-listening socket inherited as fd N
+ *                        (the namespace backend creates the socket on the host, so
+ *                        no host directory has to be visible inside the sandbox)
+ *   --serve-fd PATH      open a stream device (virtio-serial port), serve sequentially
+ *   --launch [--cgroup PROCS_FILE]... -- ARGV...
+ *                        host side helper (not inside the sandbox): setsid, join the
+ *                        given cgroups, exec ARGV; so the sandbox never runs unconfined.
+ *
+ * Static, no dependencies beyond libc. Every request is bounded (frame size,
+ * exec timeout); malformed input closes the connection, never the agent.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/types.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define AGENT_VERSION "cubegate-agent 1"
+#define MAX_FRAME (16u << 20)
+#define MAX_STREAM (16u << 20)
+#define CHUNK 65536
+#define FIRST_FRAME_TIMEOUT_S 10
+#define DRAIN_GRACE_MS 300
+
+extern char **environ;
+
+static char **base_env;          /* env for execs; replaced by 'V' */
+static int serial_mode;          /* --serve-fd: no fork per request, resync after errors */
+
+/* ---------- low level I/O ---------- */
+
+static int read_full(int fd, void *buf, size_t n) {
+    char *p = buf;
+    while (n > 0) {
+        ssize_t r = read(fd, p, n);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return -1;
+        p += r;
+        n -= (size_t)r;
+    }
+    return 0;
+}
+
+static int write_full(int fd, const void *buf, size_t n) {
+    const char *p = buf;
+    while (n > 0) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0 && errno == EAGAIN) {  /* fd may be non-blocking: wait */
+            struct pollfd pf = {.fd = fd, .events = POLLOUT};
+            poll(&pf, 1, 1000);
+            continue;
+        }
+        if (w <= 0) return -1;
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+static int send_frame(int fd, char type, const void *data, size_t len) {
+    unsigned char hdr[5] = {(unsigned char)type, (unsigned char)(len >> 24), (unsigned char)(len >> 16),
+                            (unsigned char)(len >> 8), (unsigned char)len};
+    if (write_full(fd, hdr, 5) < 0) return -1;
+    return len ? write_full(fd, data, len) : 0;
+}
+
+static int send_str(int fd, char type, const char *s) { return send_frame(fd, type, s, strlen(s)); }
+
+/* Skip n bytes (serial mode resync after an oversize frame). */
+static void discard(int fd, uint32_t n) {
+    char buf[4096];
+    while (n > 0) {
+        size_t k = n < sizeof buf ? n : sizeof buf;
+        if (read_full(fd, buf, k) < 0) return;
+        n -= (uint32_t)k;
+    }
+}
+
+/* Read one frame. Returns 0 ok, -1 eof/io error, -2 oversize (error already sent). */
+static int recv_frame(int fd, char *type, char **payload, uint32_t *len) {
+    unsigned char hdr[5];
+    if (read_full(fd, hdr, 5) < 0) return -1;
+    *type = (char)hdr[0];
+    *len = ((uint32_t)hdr[1] << 24) | ((uint32_t)hdr[2] << 16) | ((uint32_t)hdr[3] << 8) | hdr[4];
+    if (*len > MAX_FRAME) {
+        send_str(fd, 'F', "frame too large");
+        if (serial_mode) discard(fd, *len);
+        return -2;
+    }
+    *payload = malloc(*len + 1);
+    if (!*payload) return -1;
+    if (*len && read_full(fd, *payload, *len) < 0) { free(*payload); return -1; }
+    (*payload)[*len] = 0;
+    return 0;
+}
+
+/* Split a payload into NUL-terminated fields. Returns the count found (<= max). */
+static int split_fields(char *p, uint32_t len, char **out, int max, uint32_t *consumed) {
+    int n = 0;
+    uint32_t i = 0;
+    while (n < max && i < len) {
+        char *end = memchr(p + i, 0, len - i);
+        if (!end) break;
+        out[n++] = p + i;
+        i = (uint32_t)(end - p) + 1;
+    }
+    if (consumed) *consumed = i;
+    return n;
+}
+
+static long parse_long(const char *s, int base, int *ok) {
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, base);
+    *ok = (errno == 0 && end != s && *end == 0);
+    return v;
+}
+
+static int64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static char **dup_env(char **src) {
+    size_t n = 0;
+    while (src && src[n]) n++;
+    char **e = calloc(n + 1, sizeof(char *));
+    for (size_t i = 0; e && i < n; i++) e[i] = strdup(src[i]);
+    return e;
+}
+
+/* ---------- 'V' ---------- */
+
+static void handle_setenv(int fd, char *p, uint32_t len) {
+    char **fields = calloc(len / 2 + 2, sizeof(char *));
+    if (!fields) { send_str(fd, 'F', "out of memory"); return; }
+    int n = split_fields(p, len, fields, (int)(len / 2 + 1), NULL);
+    for (int i = 0; i < n; i++) {
+        if (!strchr(fields[i], '=')) { free(fields); send_str(fd, 'F', "bad env entry"); return; }
+    }
+    char **e = calloc((size_t)n + 1, sizeof(char *));
+    if (!e) { free(fields); send_str(fd, 'F', "out of memory"); return; }
+    for (int i = 0; i < n; i++) e[i] = strdup(fields[i]);
+    for (size_t i = 0; base_env && base_env[i]; i++) free(base_env[i]);
+    free(base_env);
+    base_env = e;
+    free(fields);
+    send_frame(fd, 'k', NULL, 0);
+}
+
+/* ---------- 'W' / 'G' ---------- */
+
+static int mkdirs(const char *path) {  /* mkdir -p of path's parent */
+    char tmp[PATH_MAX];
+    if (strlen(path) >= sizeof tmp) { errno = ENAMETOOLONG; return -1; }
+    strcpy(tmp, path);
+    char *slash = strrchr(tmp, '/');
+    if (!slash || slash == tmp) return 0;
+    *slash = 0;
+    for (char *q = tmp + 1; *q; q++) {
+        if (*q != '/') continue;
+        *q = 0;
+        if (mkdir(tmp, 0755) < 0 && errno != EEXIST) return -1;
+        *q = '/';
+    }
+    if (mkdir(tmp, 0755) < 0 && errno != EEXIST) return -1;
+    return 0;
+}
+
+static void send_errno(int fd, const char *what) {
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s: %s", what, strerror(errno));
+    send_str(fd, 'F', msg);
+}
+
+static void handle_write(int fd, char *p, uint32_t len) {
+    char *f[2];
+    uint32_t used;
+    if (split_fields(p, len, f, 2, &used) != 2 || !f[0][0]) { send_str(fd, 'F', "bad write request"); return; }
+    int ok;
+    long mode = parse_long(f[1], 8, &ok);
+    if (!ok || mode < 0 || mode > 07777) { send_str(fd, 'F', "bad mode"); return; }
+    if (mkdirs(f[0]) < 0) { send_errno(fd, "mkdir"); return; }
+    char tmp[PATH_MAX];
+    if (snprintf(tmp, sizeof tmp, "%s.cgtmpXXXXXX", f[0]) >= (int)sizeof tmp) { send_str(fd, 'F', "path too long"); return; }
+    int out = mkstemp(tmp);
+    if (out < 0) { send_errno(fd, "create"); return; }
+    if (write_full(out, p + used, len - used) < 0 || fchmod(out, (mode_t)mode) < 0) {
+        send_errno(fd, "write"); close(out); unlink(tmp); return;
+    }
+    close(out);
+    if (rename(tmp, f[0]) < 0) { send_errno(fd, "rename"); unlink(tmp); return; }
+    send_frame(fd, 'k', NULL, 0);
+}
+
+static void handle_read(int fd, char *p, uint32_t len) {
+    char *f[2];
+    if (split_fields(p, len, f, 2, NULL) != 2) { send_str(fd, 'F', "bad read request"); return; }
+    int ok;
+    long max = parse_long(f[1], 10, &ok);
+    if (!ok || max < 0) { send_str(fd, 'F', "bad max_bytes"); return; }
+    if (max > (long)MAX_FRAME) max = MAX_FRAME;
+    int in = open(f[0], O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    if (in < 0) { send_errno(fd, "open"); return; }
+    struct stat st;
+    if (fstat(in, &st) < 0 || S_ISDIR(st.st_mode) || S_ISFIFO(st.st_mode) || S_ISCHR(st.st_mode)) {
+        close(in); send_str(fd, 'F', "not a regular file"); return;
+    }
+    char *buf = malloc((size_t)max + 1);
+    if (!buf) { close(in); send_str(fd, 'F', "out of memory"); return; }
+    size_t got = 0;
+    while (got < (size_t)max) {
+        ssize_t r = read(in, buf + got, (size_t)max - got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) { send_errno(fd, "read"); free(buf); close(in); return; }
+        if (r == 0) break;
+        got += (size_t)r;
+    }
+    close(in);
+    send_frame(fd, 'D', buf, got);
+    free(buf);
+}
+
+/* ---------- 'E' ---------- */
+
+static char **merge_env(char **extra, int n) {
+    size_t nb = 0;
+    while (base_env && base_env[nb]) nb++;
+    char **e = calloc(nb + (size_t)n + 1, sizeof(char *));
+    if (!e) return NULL;
+    size_t k = 0;
+    for (size_t i = 0; i < nb; i++) {
+        size_t klen = strcspn(base_env[i], "=");
+        int overridden = 0;
+        for (int j = 0; j < n; j++)
+            if (strncmp(extra[j], base_env[i], klen) == 0 && extra[j][klen] == '=') overridden = 1;
+        if (!overridden) e[k++] = base_env[i];
+    }
+    for (int j = 0; j < n; j++) e[k++] = extra[j];
+    return e;
+}
+
+static void set_nonblock(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
+
+static int pidfd_open_(pid_t pid) {
+#ifdef SYS_pidfd_open
+    return (int)syscall(SYS_pidfd_open, pid, 0);
+#else
+    errno = ENOSYS;
+    return -1;
+#endif
+}
+
+/* Output pump for one stream: forward up to MAX_STREAM bytes, note truncation. */
+struct stream { int fd; char type; size_t sent; int truncated; };
+
+static int pump(int sock, struct stream *s) {
+    char buf[CHUNK];
+    ssize_t r = read(s->fd, buf, sizeof buf);
+    if (r < 0 && (errno == EINTR || errno == EAGAIN)) return 0;
+    if (r <= 0) { close(s->fd); s->fd = -1; return 0; }
+    size_t keep = (size_t)r;
+    if (s->sent + keep > MAX_STREAM) { keep = MAX_STREAM - s->sent; s->truncated = 1; }
+    s->sent += keep;
+    if (keep && send_frame(sock, s->type, buf, keep) < 0) return -1;
+    return 0;
+}
+
+static void handle_exec(int sock, char *p, uint32_t len) {
+    char *hdr[3];
+    uint32_t used;
+    int ok;
+    if (split_fields(p, len, hdr, 3, &used) != 3) { send_str(sock, 'F', "bad exec request"); return; }
+    long timeout_ms = parse_long(hdr[0], 10, &ok);
+    if (!ok || timeout_ms <= 0) { send_str(sock, 'F', "bad timeout"); return; }
+    long argc = parse_long(hdr[2], 10, &ok);
+    if (!ok || argc < 1 || argc > 65536) { send_str(sock, 'F', "bad argc"); return; }
+    char **argv = calloc((size_t)argc + 1, sizeof(char *));
+    uint32_t u2;
+    if (!argv || split_fields(p + used, len - used, argv, (int)argc, &u2) != argc) { send_str(sock, 'F', "bad argv"); return; }
+    used += u2;
+    char *envc_s;
+    uint32_t u3;
+    if (split_fields(p + used, len - used, &envc_s, 1, &u3) != 1) { send_str(sock, 'F', "bad envc"); return; }
+    used += u3;
+    long envc = parse_long(envc_s, 10, &ok);
+    if (!ok || envc < 0 || envc > 65536) { send_str(sock, 'F', "bad envc"); return; }
+    char **extra = calloc((size_t)envc + 1, sizeof(char *));
+    if (!extra || split_fields(p + used, len - used, extra, (int)envc, NULL) != envc) { send_str(sock, 'F', "bad env"); return; }
+    char **env = merge_env(extra, (int)envc);
+    const char *cwd = hdr[1][0] ? hdr[1] : "/";
+
+    int in[2], out[2], err[2];
+    if (pipe2(in, O_CLOEXEC) < 0 || pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0) {
+        send_errno(sock, "pipe"); return;
+    }
+    pid_t pid = fork();
+    if (pid < 0) { send_errno(sock, "fork"); return; }
+    if (pid == 0) {
+        setsid();  /* own session + process group: the timeout kills the whole group */
+        signal(SIGPIPE, SIG_DFL);
+        signal(SIGCHLD, SIG_DFL);
+        sigset_t none;
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        dup2(in[0], 0); dup2(out[1], 1); dup2(err[1], 2);
+        if (chdir(cwd) < 0) { dprintf(2, "cubegate-agent: chdir %s: %s\n", cwd, strerror(errno)); _exit(126); }
+        environ = env;
+        execvp(argv[0], argv);
+        int e = errno;
+        dprintf(2, "cubegate-agent: exec %s: %s\n", argv[0], strerror(e));
+        _exit(e == ENOENT ? 127 : 126);
+    }
+    close(in[0]); close(out[1]); close(err[1]);
+    int pfd = pidfd_open_(pid);
+    int stdin_fd = in[1];
+    set_nonblock(stdin_fd);
+    struct stream so = {out[0], 'O', 0, 0}, se = {err[0], 'R', 0, 0};
+    set_nonblock(so.fd); set_nonblock(se.fd);
+
+    char *inbuf = NULL;          /* pending stdin frame */
+    uint32_t inlen = 0, inoff = 0;
+    int client_eof = 0;          /* got 'i' (or client stopped sending) */
+    int exited = 0, status = 0, timed_out = 0, lost = 0;
+    int64_t deadline = now_ms() + timeout_ms, drain_until = 0;
+
+    for (;;) {
+        if (!exited) {
+            pid_t w = waitpid(pid, &status, WNOHANG);
+            if (w == pid) { exited = 1; drain_until = now_ms() + DRAIN_GRACE_MS; }
+        }
+        int64_t now = now_ms();
+        if (!timed_out && now >= deadline) {
+            kill(-pid, SIGKILL);
+            kill(pid, SIGKILL);
+            timed_out = 1;
+            drain_until = now + DRAIN_GRACE_MS;
+        }
+        if (so.fd < 0 && se.fd < 0 && exited) break;
+        if (drain_until && now >= drain_until && exited) break;
+        if (lost) break;
+
+        struct pollfd fds[5];
+        int n = 0, i_sock = -1, i_in = -1, i_out = -1, i_err = -1, i_pid = -1;
+        /* after 'i' the socket is still watched: a client that goes away ends the exec */
+        if (!inbuf) { fds[n] = (struct pollfd){sock, POLLIN | POLLRDHUP, 0}; i_sock = n++; }
+        if (inbuf && stdin_fd >= 0) { fds[n] = (struct pollfd){stdin_fd, POLLOUT, 0}; i_in = n++; }
+        if (so.fd >= 0) { fds[n] = (struct pollfd){so.fd, POLLIN, 0}; i_out = n++; }
+        if (se.fd >= 0) { fds[n] = (struct pollfd){se.fd, POLLIN, 0}; i_err = n++; }
+        if (!exited && pfd >= 0) { fds[n] = (struct pollfd){pfd, POLLIN, 0}; i_pid = n++; }
+        int64_t wake = drain_until ? drain_until : deadline;
+        if (!timed_out && deadline < wake) wake = deadline;
+        int64_t ms = wake - now;
+        if (pfd < 0 && !exited && ms > 20) ms = 20;   /* no pidfd: poll for the exit */
+        if (ms < 0) ms = 0;
+        if (poll(fds, (nfds_t)n, (int)ms) < 0 && errno != EINTR) break;
+        (void)i_pid;
+        if (i_sock >= 0 && fds[i_sock].revents) {
+            char t; char *pl; uint32_t l;
+            int rc = recv_frame(sock, &t, &pl, &l);
+            if (rc < 0) { client_eof = 1; lost = 1; }  /* client gone: stop the exec */
+            else if (client_eof) { free(pl); lost = 1; }  /* nothing may follow 'i' */
+            else if (t == 'I') { if (l) { inbuf = pl; inlen = l; inoff = 0; } else free(pl); }
+            else if (t == 'i') { free(pl); client_eof = 1; close(stdin_fd); stdin_fd = -1; }
+            else { free(pl); lost = 1; }                 /* protocol error */
+        }
+        if (i_in >= 0 && fds[i_in].revents) {
+            ssize_t w = write(stdin_fd, inbuf + inoff, inlen - inoff);
+            if (w > 0) inoff += (uint32_t)w;
+            if ((w < 0 && errno != EAGAIN && errno != EINTR) || inoff >= inlen) {
+                if (w < 0 && errno == EPIPE) { close(stdin_fd); stdin_fd = -1; }  /* child closed stdin */
+                free(inbuf); inbuf = NULL;
+            }
+        }
+        if (stdin_fd < 0 && inbuf) { free(inbuf); inbuf = NULL; }  /* discard stdin nobody reads */
+        if (i_out >= 0 && fds[i_out].revents && pump(sock, &so) < 0) lost = 1;
+        if (i_err >= 0 && fds[i_err].revents && pump(sock, &se) < 0) lost = 1;
+    }
+    if (lost || !exited) {
+        kill(-pid, SIGKILL);
+        kill(pid, SIGKILL);
+        if (!exited) { waitpid(pid, &status, 0); exited = 1; }
+    }
+    if (stdin_fd >= 0) close(stdin_fd);
+    if (so.fd >= 0) close(so.fd);
+    if (se.fd >= 0) close(se.fd);
+    if (pfd >= 0) close(pfd);
+    free(inbuf);
+    free(argv); free(extra); free(env);   /* the strings live in the caller's payload */
+    if (lost) return;   /* client gone (or broke the protocol): nobody to answer */
+    if (so.truncated) send_str(sock, 'R', "\n[cubegate-agent: stdout truncated at 16 MiB]\n");
+    if (se.truncated) send_str(sock, 'R', "\n[cubegate-agent: stderr truncated at 16 MiB]\n");
+    int code;
+    if (timed_out) code = 124;
+    else if (WIFSIGNALED(status)) code = -WTERMSIG(status);
+    else code = WEXITSTATUS(status);
+    char x[64];
+    int xl = snprintf(x, sizeof x, "%d%c%d%c", code, 0, timed_out, 0);
+    send_frame(sock, 'X', x, (size_t)xl);
+}
+
+/* ---------- dispatch ---------- */
+
+/* Returns 0 to keep the connection, -1 to close it. */
+static int dispatch(int fd, char type, char *p, uint32_t len) {
+    switch (type) {
+    case 'P': send_str(fd, 'p', AGENT_VERSION); return 0;
+    case 'V': handle_setenv(fd, p, len); return 0;
+    case 'E': handle_exec(fd, p, len); return 0;
+    case 'W': handle_write(fd, p, len); return 0;
+    case 'G': handle_read(fd, p, len); return 0;
+    default: send_str(fd, 'F', "unknown request"); return -1;
+    }
+}
+
+static void reap(int sig) {
+    (void)sig;
+    int saved = errno;
+    while (waitpid(-1, NULL, WNOHANG) > 0) {}
+    errno = saved;
+}
+
+static int serve_listener(int lfd) {
+    struct sigaction sa = {0};
+    sa.sa_handler = reap;
+    sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
+    sigaction(SIGCHLD, &sa, NULL);
+    for (;;) {
+        int c = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+        if (c < 0) {
+            if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE || errno == ENOMEM) {
+                if (errno != EINTR && errno != ECONNABORTED) usleep(10000);
+                continue;
+            }
+            perror("cubegate-agent: accept");
+            return 1;
+        }
+        /* First frame read here (bounded): ping/set-env are answered in this process so
+         * that 'V' changes the env every later exec inherits; the rest forks. */
+        struct timeval tv = {FIRST_FRAME_TIMEOUT_S, 0};
+        setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        char t; char *p; uint32_t l;
+        if (recv_frame(c, &t, &p, &l) < 0) { close(c); continue; }
+        if (t == 'P' || t == 'V' || !strchr("EWG", t)) {
+            dispatch(c, t, p, l);
+            free(p);
+            close(c);
+            continue;
+        }
+        pid_t pid = fork();
+        if (pid == 0) {
+            close(lfd);
+            signal(SIGCHLD, SIG_DFL);
+            struct timeval none = {0, 0};
+            setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof none);
+            dispatch(c, t, p, l);
+            _exit(0);
+        }
+        if (pid < 0) send_errno(c, "fork");
+        free(p);
+        close(c);
+    }
+}
+
+static _Noreturn void serve_stream(const char *path) {
+    serial_mode = 1;
+    signal(SIGCHLD, SIG_DFL);
+    for (;;) {
+        int fd = open(path, O_RDWR | O_CLOEXEC | O_NOCTTY);
+        if (fd < 0) { perror("cubegate-agent: open"); sleep(1); continue; }
+        for (;;) {
+            char t; char *p; uint32_t l;
+            int rc = recv_frame(fd, &t, &p, &l);
+            if (rc == -2) continue;
+            if (rc < 0) break;              /* host side closed: reopen */
+            if (dispatch(fd, t, p, l) < 0) { /* unknown type: payload already consumed, go on */ }
+            free(p);
+        }
+        close(fd);
+        usleep(50000);
+    }
+}
+
+static int launch(int argc, char **argv) {
+    /* Host side: setsid, join cgroups (by writing our own pid), exec. */
+    int i = 2;
+    setsid();
+    for (; i < argc && strcmp(argv[i], "--") != 0; i++) {
+        if (strcmp(argv[i], "--cgroup") != 0 || i + 1 >= argc) { fprintf(stderr, "launch: bad arguments\n"); return 2; }
+        const char *f = argv[++i];
+        int fd = open(f, O_WRONLY | O_CLOEXEC);
+        char pid[32];
+        int n = snprintf(pid, sizeof pid, "%d\n", (int)getpid());
+        if (fd < 0 || write(fd, pid, (size_t)n) != n) {
+            fprintf(stderr, "launch: join cgroup %s: %s\n", f, strerror(errno));
+            return 2;  /* fail closed: never run outside the limits */
+        }
+        close(fd);
+    }
+    if (i + 1 >= argc) { fprintf(stderr, "launch: no command\n"); return 2; }
+    execvp(argv[i + 1], argv + i + 1);
+    fprintf(stderr, "launch: exec %s: %s\n", argv[i + 1], strerror(errno));
+    return 127;
+}
+
+int main(int argc, char **argv) {
+    signal(SIGPIPE, SIG_IGN);
+    if (argc >= 2 && strcmp(argv[1], "--launch") == 0) return launch(argc, argv);
+    base_env = dup_env(environ);
+    /* Not dumpable: the sandbox's own processes (same uid) cannot pidfd_getfd/ptrace-read the
+     * agent to take over its control socket. execve of a child resets this for the child. */
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    if (argc == 2 && strcmp(argv[1], "--version") == 0) { puts(AGENT_VERSION); return 0; }
+    if (argc == 3 && strcmp(argv[1], "--listen-fd") == 0) {
+        int ok;
+        long fd = parse_long(argv[2], 10, &ok);
+        if (!ok || fd < 0) { fprintf(stderr, "bad fd\n"); return 2; }
+        fcntl((int)fd, F_SETFD, FD_CLOEXEC);
+        if (chdir("/") < 0) {}
+        return serve_listener((int)fd);
+    }
+    if (argc == 3 && strcmp(argv[1], "--listen-unix") == 0) {
+        struct sockaddr_un sa = {.sun_family = AF_UNIX};
+        if (strlen(argv[2]) >= sizeof sa.sun_path) { fprintf(stderr, "path too long\n"); return 2; }
+        strcpy(sa.sun_path, argv[2]);
+        unlink(argv[2]);
+        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0 || bind(fd, (struct sockaddr *)&sa, sizeof sa) < 0 || listen(fd, 128) < 0) {
+            perror("cubegate-agent: listen");
+            return 1;
+        }
+        return serve_listener(fd);
+    }
+    if (argc == 3 && strcmp(argv[1], "--serve-fd") == 0) serve_stream(argv[2]);
+    fprintf(stderr, "usage: %s --listen-unix PATH | --listen-fd N | --serve-fd PATH | --version\n"
+                    "       %s --launch [--cgroup PROCS_FILE]... -- ARGV...\n", argv[0], argv[0]);
+    return 2;
+}

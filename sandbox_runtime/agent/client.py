@@ -1,0 +1,181 @@
+"""Python side of the exec agent protocol (PROTOCOL.md).
+
+`AgentClient(connect)`: `connect()` returns a fresh connected socket-like object
+(unix socket: one request per connection) — or, for a serial stream such as a
+virtio-serial port, the same object every time with `serial=True`, in which case
+requests are serialised with a lock.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from contextlib import contextmanager, suppress
+from typing import Callable, Iterator
+
+from sandbox_runtime.backend import ExecResult, SandboxError
+
+MAX_FRAME = 16 << 20
+STDIN_CHUNK = 64 << 10
+GRACE_S = 5.0            # every call's socket timeout = its own timeout + this
+
+
+class AgentError(SandboxError):
+    """The agent answered with an error ('F') or broke the protocol."""
+
+
+def encode_frame(kind: bytes, payload: bytes = b"") -> bytes:
+    if len(payload) > MAX_FRAME:
+        raise AgentError(f"frame too large ({len(payload)} bytes)")
+    return kind + struct.pack(">I", len(payload)) + payload
+
+
+def _fields(*items: str | bytes) -> bytes:
+    out = []
+    for it in items:
+        b = it.encode() if isinstance(it, str) else it
+        if b"\0" in b:
+            raise AgentError("NUL byte in a request field")
+        out.append(b + b"\0")
+    return b"".join(out)
+
+
+def encode_exec(argv: list[str], timeout: float, env: dict[str, str], cwd: str) -> bytes:
+    if not argv:
+        raise AgentError("empty argv")
+    envs = [f"{k}={v}" for k, v in env.items()]
+    for k in env:
+        if not k or "=" in k:
+            raise AgentError(f"bad env name {k!r}")
+    return _fields(str(max(1, int(timeout * 1000))), cwd, str(len(argv)), *argv, str(len(envs)), *envs)
+
+
+def _recv_exact(sock, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise AgentError("agent closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_frame(sock) -> tuple[bytes, bytes]:
+    hdr = _recv_exact(sock, 5)
+    (length,) = struct.unpack(">I", hdr[1:])
+    if length > MAX_FRAME + 1024:
+        raise AgentError("oversize frame from agent")
+    return hdr[:1], _recv_exact(sock, length) if length else b""
+
+
+class AgentClient:
+    def __init__(self, connect: Callable[[], socket.socket], *, serial: bool = False,
+                 ping_timeout: float = 5.0, io_timeout: float = 30.0):
+        self._connect = connect
+        self._serial = serial
+        self._lock = threading.Lock()
+        self.ping_timeout = ping_timeout
+        self.io_timeout = io_timeout
+
+    @contextmanager
+    def _session(self, timeout: float) -> Iterator[socket.socket]:
+        if self._serial:
+            with self._lock:
+                s = self._connect()
+                s.settimeout(timeout)
+                yield s
+            return
+        try:
+            s = self._connect()
+        except OSError as e:
+            raise AgentError(f"cannot reach the agent: {e.strerror or e}") from None
+        try:
+            s.settimeout(timeout)
+            yield s
+        finally:
+            s.close()
+
+    def _simple(self, kind: bytes, payload: bytes, expect: bytes, timeout: float) -> bytes:
+        try:
+            with self._session(timeout) as s:
+                s.sendall(encode_frame(kind, payload))
+                rk, rp = recv_frame(s)
+        except (OSError, TimeoutError) as e:
+            raise AgentError(f"agent request failed: {e}") from None
+        if rk == b"F":
+            raise AgentError(rp.decode(errors="replace"))
+        if rk != expect:
+            raise AgentError(f"unexpected reply {rk!r}")
+        return rp
+
+    def ping(self, timeout: float | None = None) -> str:
+        return self._simple(b"P", b"", b"p", timeout or self.ping_timeout).decode(errors="replace")
+
+    def set_env(self, env: dict[str, str]) -> None:
+        for k in env:
+            if not k or "=" in k:
+                raise AgentError(f"bad env name {k!r}")
+        self._simple(b"V", _fields(*(f"{k}={v}" for k, v in env.items())), b"k", self.io_timeout)
+
+    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        self._simple(b"W", _fields(path, format(mode, "o")) + data, b"k", self.io_timeout)
+
+    def read_file(self, path: str, max_bytes: int = MAX_FRAME) -> bytes:
+        return self._simple(b"G", _fields(path, str(max_bytes)), b"D", self.io_timeout)
+
+    def exec(self, argv: list[str], timeout: float = 30.0, env: dict[str, str] | None = None,
+             stdin: bytes = b"", cwd: str = "/workspace") -> ExecResult:
+        req = encode_frame(b"E", encode_exec(list(argv), timeout, env or {}, cwd))
+        t0 = time.monotonic()
+        out, err = bytearray(), bytearray()
+        try:
+            with self._session(timeout + GRACE_S) as s:
+                s.sendall(req)
+                # stdin from a thread: a child that writes before reading must not deadlock us
+                sender = threading.Thread(target=self._send_stdin, args=(s, stdin), daemon=True)
+                sender.start()
+                try:
+                    while True:
+                        kind, payload = recv_frame(s)
+                        if kind == b"O":
+                            out += payload
+                        elif kind == b"R":
+                            err += payload
+                        elif kind == b"X":
+                            break
+                        elif kind == b"F":
+                            raise AgentError(payload.decode(errors="replace"))
+                        else:
+                            raise AgentError(f"unexpected frame {kind!r}")
+                finally:
+                    sender.join(timeout=1.0)
+        except (OSError, TimeoutError) as e:
+            raise AgentError(f"exec failed: {e}") from None
+        parts = payload.split(b"\0")
+        try:
+            code, timed_out = int(parts[0]), parts[1] == b"1"
+        except (ValueError, IndexError):
+            raise AgentError("malformed exit frame") from None
+        return ExecResult(exit_code=code, stdout=bytes(out), stderr=bytes(err), timed_out=timed_out,
+                          duration_s=time.monotonic() - t0)
+
+    @staticmethod
+    def _send_stdin(s, data: bytes) -> None:
+        with suppress(OSError):
+            for i in range(0, len(data), STDIN_CHUNK):
+                s.sendall(encode_frame(b"I", data[i:i + STDIN_CHUNK]))
+            s.sendall(encode_frame(b"i"))
+
+
+def unix_connector(path: str) -> Callable[[], socket.socket]:
+    def connect() -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5.0)
+        try:
+            s.connect(path)
+        except OSError:
+            s.close()
+            raise
+        return s
+    return connect

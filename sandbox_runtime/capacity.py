@@ -1,0 +1,81 @@
+"""Admission by real capacity: a host budget of memory and CPU, never overcommitted.
+
+Two checks, both must pass:
+- reservations: the sum of the limits of live sandboxes plus the new one stays
+  within the budget (the limits are hard cgroup limits, so this is what the
+  sandboxes may really use);
+- the kernel: MemAvailable (measured now) must still cover the new sandbox's
+  memory limit plus the host reserve — a budget set too high in the settings
+  cannot make the host swap or OOM.
+
+Pure decision (`admit`) with the kernel reading passed in, so it is testable.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .backend import Limits, SandboxError
+
+MB = 1024 * 1024
+
+
+class CapacityError(SandboxError):
+    """Creating this sandbox would exceed the host's budget."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    memory_mb: int
+    cpus: float
+    max_sandboxes: int = 1000
+    host_reserve_mb: int = 512     # never handed out: the gateway and the host need it
+
+
+@dataclass(frozen=True)
+class Usage:
+    sandboxes: int = 0
+    memory_mb: int = 0
+    cpus: float = 0.0
+
+
+def reserved(limits: list[Limits]) -> Usage:
+    return Usage(len(limits), sum(lim.memory_mb for lim in limits), round(sum(lim.cpus for lim in limits), 6))
+
+
+def admit(budget: Budget, used: Usage, want: Limits, mem_available_mb: int | None) -> None:
+    """Raise CapacityError with the exact shortfall, or return (admitted)."""
+    if want.memory_mb <= 0 or want.cpus <= 0 or want.pids <= 0 or want.disk_mb <= 0:
+        raise CapacityError("limits must be positive (memory_mb, cpus, pids, disk_mb)")
+    if used.sandboxes + 1 > budget.max_sandboxes:
+        raise CapacityError(f"host is full: {used.sandboxes} of {budget.max_sandboxes} sandboxes in use")
+    if used.memory_mb + want.memory_mb > budget.memory_mb:
+        raise CapacityError(f"not enough memory: {want.memory_mb} MB asked, "
+                            f"{budget.memory_mb - used.memory_mb} MB of {budget.memory_mb} MB budget left")
+    if used.cpus + want.cpus > budget.cpus + 1e-9:
+        raise CapacityError(f"not enough CPU: {want.cpus:g} asked, "
+                            f"{budget.cpus - used.cpus:g} of {budget.cpus:g} CPUs budget left")
+    if mem_available_mb is not None and mem_available_mb - budget.host_reserve_mb < want.memory_mb:
+        raise CapacityError(f"not enough free memory on the host: {mem_available_mb} MB available, "
+                            f"{budget.host_reserve_mb} MB reserved for the host, {want.memory_mb} MB asked")
+
+
+def meminfo_mb(path: str = "/proc/meminfo") -> dict[str, int]:
+    out = {}
+    with open(path) as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts and parts[0].isdigit():
+                out[name] = int(parts[0]) // 1024   # kB → MB
+    return out
+
+
+def default_budget(memory_mb: int | None = None, cpus: float | None = None,
+                   max_sandboxes: int = 1000, host_reserve_mb: int = 512) -> Budget:
+    """Unset values come from the machine: all memory but the reserve, all CPUs."""
+    if memory_mb is None:
+        memory_mb = max(0, meminfo_mb()["MemTotal"] - host_reserve_mb)
+    if cpus is None:
+        cpus = float(len(os.sched_getaffinity(0)))
+    return Budget(int(memory_mb), float(cpus), int(max_sandboxes), int(host_reserve_mb))

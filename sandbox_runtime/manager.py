@@ -1,0 +1,360 @@
+"""Sandbox lifecycle: admission, network attachment, backend, state, metrics.
+
+    create: validate → admit (budget + kernel) → claim id → identity → cubevs attach
+            → backend.create (returns when the agent answered) → env/files → running
+    destroy: backend.destroy → cubevs detach → identity removed → record deleted
+
+Anything that fails half-way is undone in reverse order, and the caller gets a
+SandboxError with the reason. What the composition root knows (identities,
+policies, the vault) comes in through `RuntimeHooks`, so this package imports
+only cubevs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import threading
+import time
+from collections import Counter as _Counter
+from typing import Callable, Protocol
+
+from .backend import Backend, ExecResult, Handle, Limits, NotSupported, SandboxError, SandboxSpec
+from .capacity import Budget, CapacityError, admit, meminfo_mb, reserved
+from .metrics import RuntimeMetrics
+from .state import SandboxRecord, StateStore
+
+log = logging.getLogger("cubegate.runtime")
+
+SANDBOX_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+MAX_ENV_BYTES = 256 * 1024
+MAX_FILES_BYTES = 32 * 1024 * 1024
+
+
+class NotFound(SandboxError):
+    pass
+
+
+class Conflict(SandboxError):
+    pass
+
+
+class InvalidRequest(SandboxError):
+    pass
+
+
+class RuntimeHooks(Protocol):
+    def register(self, sandbox_id: str, tenant: str, labels: dict[str, str]) -> None:
+        """Make the gateway know the sandbox (identity + labels); raise SandboxError if the
+        policy that applies to it belongs to another tenant."""
+
+    def forget(self, sandbox_id: str) -> None: ...
+
+    def l4_allow(self, sandbox_id: str, labels: dict[str, str]) -> list: ...
+
+    def placeholders(self, tenant: str, sandbox_id: str) -> dict[str, str]:
+        """{secret_id: placeholder} for the tenant's placeholder bindings ({} without a vault)."""
+
+    def real_secrets_in(self, tenant: str, sandbox_id: str, data: str) -> list[str]:
+        """Secret ids whose real value occurs in `data` (placeholders are fine)."""
+
+
+class NoHooks:
+    def register(self, sandbox_id, tenant, labels): pass
+    def forget(self, sandbox_id): pass
+    def l4_allow(self, sandbox_id, labels): return []
+    def placeholders(self, tenant, sandbox_id): return {}
+    def real_secrets_in(self, tenant, sandbox_id, data): return []
+
+
+@dataclasses.dataclass(frozen=True)
+class CreateRequest:
+    sandbox_id: str
+    tenant: str
+    backend: str = "namespace"
+    labels: dict = dataclasses.field(default_factory=dict)
+    limits: Limits = dataclasses.field(default_factory=Limits)
+    env: dict = dataclasses.field(default_factory=dict)
+    files: dict = dataclasses.field(default_factory=dict)        # path under /workspace -> bytes
+    secret_env: dict = dataclasses.field(default_factory=dict)   # ENV_NAME -> secret_id (gets its placeholder)
+
+
+def placeholder_env(placeholders: dict[str, str], secret_env: dict[str, str]) -> dict[str, str]:
+    """CUBEGATE_PLACEHOLDER_<ID> for every placeholder, plus the names the caller asked for."""
+    env = {"CUBEGATE_PLACEHOLDER_" + re.sub(r"[^A-Z0-9]", "_", sid.upper()): ph for sid, ph in placeholders.items()}
+    for name, sid in secret_env.items():
+        if sid not in placeholders:
+            raise InvalidRequest(f"secret_env {name}: the tenant has no placeholder binding for secret {sid!r}")
+        env[name] = placeholders[sid]
+    return env
+
+
+def validate_request(req: CreateRequest) -> None:
+    if not SANDBOX_ID_RE.fullmatch(req.sandbox_id or ""):
+        raise InvalidRequest("id must match [a-z0-9][a-z0-9-]{0,39}")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_.-]{0,63}", req.tenant or ""):
+        raise InvalidRequest("tenant must match [a-z0-9][a-z0-9_.-]{0,63}")
+    validate_env(req.env)
+    validate_files(req.files)
+    for name in req.secret_env:
+        if not ENV_NAME_RE.fullmatch(name):
+            raise InvalidRequest(f"secret_env: bad variable name {name!r}")
+
+
+def validate_env(env: dict) -> None:
+    size = 0
+    for k, v in env.items():
+        if not isinstance(k, str) or not ENV_NAME_RE.fullmatch(k):
+            raise InvalidRequest(f"env: bad variable name {k!r}")
+        if not isinstance(v, str) or "\0" in v:
+            raise InvalidRequest(f"env {k}: value must be a string without NUL")
+        size += len(k) + len(v)
+    if size > MAX_ENV_BYTES:
+        raise InvalidRequest(f"env: {size} bytes, limit {MAX_ENV_BYTES}")
+
+
+def validate_files(files: dict) -> None:
+    size = 0
+    for path, data in files.items():
+        if not isinstance(path, str) or not path or path.startswith("/") or "\0" in path \
+                or any(p in ("", ".", "..") for p in path.split("/")):
+            raise InvalidRequest(f"files: path {path!r} must be relative to /workspace, without . or ..")
+        size += len(data)
+    if size > MAX_FILES_BYTES:
+        raise InvalidRequest(f"files: {size} bytes, limit {MAX_FILES_BYTES}")
+
+
+class SandboxManager:
+    def __init__(self, *, switch, backends: dict[str, Backend], state: StateStore, budget: Budget,
+                 metrics: RuntimeMetrics | None = None, hooks: RuntimeHooks | None = None,
+                 meminfo: Callable[[], dict] = meminfo_mb):
+        self.switch = switch
+        self.backends = backends
+        self.state = state
+        self.budget = budget
+        self.metrics = metrics or RuntimeMetrics()
+        self.hooks = hooks or NoHooks()
+        self._meminfo = meminfo
+        self._admit_lock = threading.Lock()
+        self._usage_cache: dict[str, tuple[float, dict]] = {}
+        self.metrics.bind(self)
+
+    # ------------------------------------------------------------------ create
+    def create(self, req: CreateRequest) -> dict:
+        validate_request(req)
+        backend = self._backend(req.backend)
+        rec = SandboxRecord(req.sandbox_id, req.tenant, req.backend, dict(req.labels), req.limits)
+        with self._admit_lock:   # admission and claiming the id are one step
+            try:
+                admit(self.budget, self._reserved(), req.limits, self._meminfo().get("MemAvailable"))
+            except CapacityError:
+                self.metrics.creations.labels(req.backend, "capacity").inc()
+                raise
+            if not self.state.insert_new(rec):
+                raise Conflict(f"sandbox {req.sandbox_id!r} already exists")
+        t0 = time.monotonic()
+        handle = None
+        attached = registered = False
+        try:
+            labels = {**req.labels, "tenant": req.tenant}
+            self.hooks.register(req.sandbox_id, req.tenant, labels)
+            registered = True
+            env = self._runtime_env(req.tenant, req.sandbox_id, req.env, req.secret_env, req.files)
+            net = self.switch.attach_sandbox(req.sandbox_id, l4_allow=self.hooks.l4_allow(req.sandbox_id, labels))
+            attached = True
+            spec = SandboxSpec(req.sandbox_id, req.tenant, req.backend, req.limits, env, dict(req.files))
+            handle = backend.create(spec, net.netns, ip=net.ip, gateway_ip=self.switch.gateway_ip)
+            rec.handle, rec.ip, rec.state = handle, net.ip, "running"
+            rec.start_ms = round((time.monotonic() - t0) * 1000, 1)
+            self.state.put(rec)
+        except BaseException as e:
+            self._undo(rec, backend, handle, attached, registered)
+            self.metrics.creations.labels(req.backend, "error").inc()
+            if isinstance(e, SandboxError):
+                raise
+            log.warning("sandbox %s: create failed: %s", req.sandbox_id, e)
+            raise SandboxError(f"create failed: {e}") from e
+        self.metrics.creations.labels(req.backend, "ok").inc()
+        self.metrics.start_seconds.labels(req.backend).observe(time.monotonic() - t0)
+        return rec.public()
+
+    def _undo(self, rec, backend, handle, attached, registered) -> None:
+        for what, step in (("backend", lambda: handle and backend.destroy(handle)),
+                           ("network", lambda: attached and self.switch.detach_sandbox(rec.id)),
+                           ("identity", lambda: registered and self.hooks.forget(rec.id)),
+                           ("record", lambda: self.state.delete(rec.id))):
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 - keep undoing; report what is left
+                log.error("sandbox %s: undo %s failed: %s", rec.id, what, e)
+
+    def _runtime_env(self, tenant, sandbox_id, env, secret_env, files) -> dict:
+        placeholders = self.hooks.placeholders(tenant, sandbox_id)
+        full = {**env, **placeholder_env(placeholders, secret_env)}
+        # A real key must never enter a sandbox: refuse env/files that carry one.
+        text = "\n".join([*full.values(), *(d.decode("latin-1") for d in files.values())])
+        for ph in placeholders.values():
+            text = text.replace(ph, "")
+        leaked = self.hooks.real_secrets_in(tenant, sandbox_id, text)
+        if leaked:
+            raise InvalidRequest(f"env/files contain the real value of secret(s) {', '.join(sorted(leaked))}; "
+                                 "sandboxes get placeholders only (use secret_env)")
+        return full
+
+    # ------------------------------------------------------------------ init (idempotent)
+    def init(self, sandbox_id: str, *, env: dict | None = None, files: dict | None = None,
+             secret_env: dict | None = None) -> dict:
+        """Re-apply runtime state after start: the tenant's current placeholders (+ the given env)
+        become the base env of later execs, the given files are (re)written. Same call, same result."""
+        rec = self._running(sandbox_id)
+        env, files, secret_env = env or {}, files or {}, secret_env or {}
+        validate_env(env)
+        validate_files(files)
+        full = self._runtime_env(rec.tenant, sandbox_id, env, secret_env, files)
+        b = self._backend(rec.backend)
+        b.set_env(rec.handle, full)
+        for path, data in files.items():
+            b.write_file(rec.handle, "/workspace/" + path, data)
+        return {"id": sandbox_id, "env": sorted(full), "files": sorted(files)}
+
+    # ------------------------------------------------------------------ use
+    def exec(self, sandbox_id: str, argv: list[str], *, timeout: float = 30.0, env: dict | None = None,
+             stdin: bytes = b"", cwd: str = "/workspace") -> ExecResult:
+        if not argv or not all(isinstance(a, str) and "\0" not in a for a in argv):
+            raise InvalidRequest("argv must be a non-empty list of strings")
+        if not 0 < timeout <= 3600:
+            raise InvalidRequest("timeout must be in (0, 3600] seconds")
+        validate_env(env or {})
+        rec = self._running(sandbox_id)
+        try:
+            res = self._backend(rec.backend).exec(rec.handle, argv, timeout=timeout, env=env, stdin=stdin, cwd=cwd)
+        except SandboxError:
+            self.metrics.execs.labels(rec.backend, "error").inc()
+            raise
+        self.metrics.execs.labels(rec.backend, "timeout" if res.timed_out else "ok").inc()
+        return res
+
+    def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        rec = self._running(sandbox_id)
+        self._backend(rec.backend).write_file(rec.handle, path, data, mode)
+
+    def read_file(self, sandbox_id: str, path: str) -> bytes:
+        rec = self._running(sandbox_id)
+        return self._backend(rec.backend).read_file(rec.handle, path)
+
+    def pause(self, sandbox_id: str) -> dict:
+        rec = self._running(sandbox_id)
+        self._backend(rec.backend).pause(rec.handle)
+        rec.state = "paused"
+        self.state.put(rec)
+        return rec.public()
+
+    def resume(self, sandbox_id: str) -> dict:
+        rec = self.get_record(sandbox_id)
+        if rec.state != "paused":
+            raise Conflict(f"sandbox {sandbox_id!r} is {rec.state}, not paused")
+        self._backend(rec.backend).resume(rec.handle)
+        rec.state = "running"
+        self.state.put(rec)
+        return rec.public()
+
+    # ------------------------------------------------------------------ destroy
+    def destroy(self, sandbox_id: str) -> None:
+        rec = self.get_record(sandbox_id)
+        b = self.backends.get(rec.backend)
+        if rec.handle is not None and b is not None:
+            b.destroy(rec.handle)
+        self.switch.detach_sandbox(sandbox_id)
+        self.hooks.forget(sandbox_id)
+        self.state.delete(sandbox_id)
+        self._usage_cache.pop(sandbox_id, None)
+
+    # ------------------------------------------------------------------ read
+    def get_record(self, sandbox_id: str) -> SandboxRecord:
+        rec = self.state.get(sandbox_id)
+        if rec is None:
+            raise NotFound(f"no sandbox {sandbox_id!r}")
+        return rec
+
+    def get(self, sandbox_id: str) -> dict:
+        rec = self.get_record(sandbox_id)
+        out = rec.public()
+        if rec.handle is not None and rec.state in ("running", "paused"):
+            try:
+                out["usage"] = self._backend(rec.backend).usage(rec.handle)
+            except SandboxError as e:
+                out["usage_error"] = str(e)
+        return out
+
+    def list(self) -> list[dict]:
+        return [r.public() for r in self.state.all()]
+
+    def _running(self, sandbox_id: str) -> SandboxRecord:
+        rec = self.get_record(sandbox_id)
+        if rec.state != "running" or rec.handle is None:
+            raise Conflict(f"sandbox {sandbox_id!r} is {rec.state}")
+        return rec
+
+    def _backend(self, name: str) -> Backend:
+        b = self.backends.get(name)
+        if b is None:
+            raise InvalidRequest(f"unknown backend {name!r}; configured: {', '.join(sorted(self.backends)) or 'none'}")
+        ok, why = b.available()
+        if not ok:
+            raise SandboxError(f"backend {name} is not available: {why}")
+        return b
+
+    def _reserved(self):
+        return reserved([r.limits for r in self.state.all() if r.state != "failed"])
+
+    # ------------------------------------------------------------------ restart
+    def recover(self) -> dict:
+        """After a daemon restart: keep sandboxes whose agent answers, mark the others failed
+        (their resources are released; the record stays so the caller sees why)."""
+        kept = failed = 0
+        for rec in self.state.all():
+            b = self.backends.get(rec.backend)
+            ok = False
+            if rec.state in ("running", "paused") and rec.handle is not None and b is not None:
+                try:
+                    ok = rec.state == "paused" or b.alive(rec.handle)
+                except Exception:  # noqa: BLE001
+                    ok = False
+            if ok:
+                kept += 1
+                continue
+            failed += 1
+            reason = "creation interrupted by a daemon restart" if rec.state == "creating" else "sandbox died"
+            self._undo(rec, b, rec.handle if b else None, self.switch.sandbox(rec.id) is not None, True)
+            rec.state, rec.error, rec.handle = "failed", reason, None
+            self.state.put(rec)
+        return {"kept": kept, "failed": failed}
+
+    # ------------------------------------------------------------------ metrics
+    def snapshot_for_metrics(self) -> dict:
+        recs = self.state.all()
+        counts = _Counter((r.backend, r.state) for r in recs)
+        memory = []
+        now = time.monotonic()
+        for r in recs:
+            if r.handle is None or r.state not in ("running", "paused") or r.backend not in self.backends:
+                continue
+            cached = self._usage_cache.get(r.id)
+            if cached is None or now - cached[0] > 2.0:     # scrapes must stay cheap at 1000 sandboxes
+                try:
+                    cached = (now, self.backends[r.backend].usage(r.handle))
+                except Exception:  # noqa: BLE001
+                    continue
+                self._usage_cache[r.id] = cached
+            memory.append((r.id, r.backend, int(cached[1].get("memory_bytes", 0))))
+        try:
+            avail = self._meminfo().get("MemAvailable")
+        except OSError:
+            avail = None
+        return {"counts": counts, "memory": memory, "budget": self.budget,
+                "reserved": reserved([r.limits for r in recs if r.state != "failed"]), "mem_available_mb": avail}
+
+
+__all__ = ["SandboxManager", "CreateRequest", "RuntimeHooks", "NoHooks", "NotFound", "Conflict",
+           "InvalidRequest", "SandboxError", "CapacityError", "NotSupported", "Handle"]

@@ -1,0 +1,421 @@
+"""The `namespace` backend: bubblewrap inside the sandbox's cubevs network namespace.
+
+Process chain of one sandbox (all execs, one pid until bwrap forks):
+
+  cubegate-agent --launch --cgroup <procs>...   (root: setsid, join the sandbox's cgroups)
+    → nsenter --net=/run/netns/<netns> --setuid U --setgid U   (enter the netns, drop host root)
+      → bwrap (unprivileged, new user/pid/ipc/uts/cgroup/mount namespaces, seccomp, no caps)
+        → pid 1: bwrap's reaper → pid 2: cubegate-agent --listen-fd 3
+
+Choices:
+- The launcher joins the cgroups *before* exec, so nothing of the sandbox ever runs
+  outside its limits (moving the pid after spawn leaves a window where bwrap forks).
+- bwrap runs as an unprivileged host uid (default 65534): uid 1000 inside maps to it,
+  so even a mount-namespace escape is not host root.
+- The agent's listening socket is created here on the host and inherited by the agent
+  (fd 3): no host directory is visible inside the sandbox, and the sandbox cannot swap
+  the socket path for another sandbox's.
+- /etc is generated (memfds copied in by bwrap) plus a few harmless host files;
+  the root is a read-only tmpfs; /workspace and /tmp are size-limited tmpfs.
+- No --die-with-parent, own session: sandboxes survive a daemon restart. Handle.data
+  keeps the bwrap pid (+ its start time, against pid reuse), cgroup paths and socket.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from contextlib import suppress
+from pathlib import Path
+
+from sandbox_runtime import seccomp
+from sandbox_runtime.agent.client import AgentClient, AgentError, unix_connector
+from sandbox_runtime.backend import ExecResult, Handle, NotSupported, SandboxError, SandboxSpec
+from sandbox_runtime.build_agent import BINARY as AGENT_BINARY
+from sandbox_runtime.cgroups import SandboxCgroups, detect
+
+BWRAP = "/usr/bin/bwrap"
+NSENTER = shutil.which("nsenter") or "/usr/bin/nsenter"
+SANDBOX_ID_RE = re.compile(r"^[a-z0-9-]{1,40}$")
+NETNS_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+INNER_UID = 1000
+HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+SANDBOX_CA_PATH = "/etc/ssl/certs/ca-certificates.crt"
+AGENT_PATH = "/.cubegate/agent"
+START_TIMEOUT_S = 5.0
+# Host /etc entries that programs need and that say nothing about the host.
+HOST_ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "protocols",
+            "services", "ssl/openssl.cnf", "mime.types")
+USR_MERGED = ("bin", "lib", "lib64", "sbin", "lib32", "libx32")
+
+
+# ---------------------------------------------------------------- pure parts
+
+def etc_files(sandbox_id: str, gateway_ip: str, ca_pem: bytes) -> dict[str, bytes]:
+    """Content of the generated /etc (path under /etc -> bytes)."""
+    return {
+        "passwd": f"root:x:0:0:root:/root:/usr/sbin/nologin\nsandbox:x:{INNER_UID}:{INNER_UID}:sandbox:/workspace:/bin/sh\n"
+                  "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n".encode(),
+        "group": f"root:x:0:\nsandbox:x:{INNER_UID}:\nnogroup:x:65534:\n".encode(),
+        "hosts": f"127.0.0.1\tlocalhost\n::1\tlocalhost\n127.0.1.1\t{sandbox_id}\n".encode(),
+        "hostname": f"{sandbox_id}\n".encode(),
+        "resolv.conf": f"nameserver {gateway_ip}\noptions timeout:2 attempts:2\n".encode(),
+        "nsswitch.conf": b"passwd: files\ngroup: files\nhosts: files dns\n",
+        "ssl/certs/ca-certificates.crt": ca_pem,
+    }
+
+
+def base_env(sandbox_id: str) -> dict[str, str]:
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
+        "HOME": "/workspace", "USER": "sandbox", "LANG": "C.UTF-8", "HOSTNAME": sandbox_id,
+        "TMPDIR": "/tmp",
+        # the cubegate MITM CA is in this bundle: injected HTTPS must verify
+        "SSL_CERT_FILE": SANDBOX_CA_PATH, "CURL_CA_BUNDLE": SANDBOX_CA_PATH,
+        "REQUESTS_CA_BUNDLE": SANDBOX_CA_PATH, "NODE_EXTRA_CA_CERTS": SANDBOX_CA_PATH,
+    }
+
+
+def bwrap_argv(*, sandbox_id: str, disk_mb: int, seccomp_fd: int, agent_fd: int, listen_fd: int,
+               etc_fds: dict[str, int], host_etc: list[str], usr_links: dict[str, str],
+               env: dict[str, str]) -> list[str]:
+    a = [BWRAP, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+         "--disable-userns", "--uid", str(INNER_UID), "--gid", str(INNER_UID), "--hostname", sandbox_id,
+         "--new-session", "--cap-drop", "ALL", "--clearenv"]
+    for k, v in env.items():
+        a += ["--setenv", k, v]
+    a += ["--ro-bind", "/usr", "/usr"]
+    for name, target in usr_links.items():      # /bin -> usr/bin etc. on usr-merged hosts
+        a += ["--symlink", target, f"/{name}"]
+    for name in USR_MERGED:
+        if name not in usr_links and Path(f"/{name}").is_dir():
+            a += ["--ro-bind", f"/{name}", f"/{name}"]
+    a += ["--proc", "/proc", "--dev", "/dev",
+          "--size", str(disk_mb << 20), "--tmpfs", "/workspace",
+          "--size", str(disk_mb << 20), "--tmpfs", "/tmp",
+          "--dir", "/etc", "--dir", "/etc/ssl/certs", "--dir", "/run"]
+    for rel in host_etc:
+        a += ["--ro-bind", f"/etc/{rel}", f"/etc/{rel}"]
+    for rel, fd in etc_fds.items():
+        a += ["--perms", "0644", "--ro-bind-data", str(fd), f"/etc/{rel}"]
+    a += ["--dir", "/.cubegate", "--ro-bind-fd", str(agent_fd), AGENT_PATH,
+          "--remount-ro", "/", "--seccomp", str(seccomp_fd), "--chdir", "/workspace",
+          AGENT_PATH, "--listen-fd", str(listen_fd)]
+    return a
+
+
+def _usr_links() -> dict[str, str]:
+    out = {}
+    for name in USR_MERGED:
+        p = Path(f"/{name}")
+        if p.is_symlink():
+            out[name] = os.readlink(p)
+    return out
+
+
+# ---------------------------------------------------------------- process helpers
+
+def _start_time(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat: identifies the process across pid reuse."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(raw.rsplit(")", 1)[1].split()[19])
+
+
+def _same_process(pid: int | None, start: int | None) -> bool:
+    return bool(pid) and start is not None and _start_time(pid) == start
+
+
+def _children_of(pid: int) -> list[int]:
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def _wait_gone(pids: set[int], timeout: float) -> None:
+    """Wait (bounded) until killed tasks are reaped: orphans go to the host's init."""
+    deadline = time.monotonic() + timeout
+    left = set(pids)
+    while left and time.monotonic() < deadline:
+        left = {p for p in left if Path(f"/proc/{p}").exists()}
+        if left:
+            time.sleep(0.005)
+
+
+def _tail(path: Path, n: int = 2000) -> str:
+    try:
+        data = path.read_bytes()[-n:]
+    except OSError:
+        return ""
+    return data.decode(errors="replace").strip()
+
+
+class NamespaceBackend:
+    name = "namespace"
+
+    def __init__(self, state_dir: Path, ca_bundle: Path | None = None, *, host_uid: int = 65534,
+                 agent_binary: Path = AGENT_BINARY, start_timeout: float = START_TIMEOUT_S):
+        self.state_dir = Path(state_dir)
+        self.ca_bundle = Path(ca_bundle) if ca_bundle else None
+        self.host_uid = host_uid
+        self.agent_binary = Path(agent_binary)
+        self.start_timeout = start_timeout
+        self._children: dict[str, subprocess.Popen] = {}   # reaped on destroy (zombies otherwise)
+        self._seccomp = seccomp.build_filter()
+
+    # ------------------------------------------------------------ probing
+    def available(self) -> tuple[bool, str]:
+        if os.geteuid() != 0:
+            return False, "the namespace backend needs root (cgroups, netns)"
+        for tool in (BWRAP, NSENTER):
+            if not os.access(tool, os.X_OK):
+                return False, f"{tool} not found (apt: bubblewrap / util-linux)"
+        if not self.agent_binary.exists():
+            return False, "agent binary missing: run python -m sandbox_runtime.build_agent"
+        ok, why = seccomp.supported()
+        if not ok:
+            return False, why
+        version, why = detect()
+        if version is None:
+            return False, why
+        return True, ""
+
+    # ------------------------------------------------------------ lifecycle
+    def create(self, spec: SandboxSpec, netns: str, *, ip: str, gateway_ip: str) -> Handle:
+        sid = spec.sandbox_id
+        if not SANDBOX_ID_RE.match(sid):
+            raise SandboxError(f"invalid sandbox id {sid!r}")
+        if not NETNS_RE.match(netns) or not Path(f"/run/netns/{netns}").exists():
+            raise SandboxError(f"network namespace {netns!r} does not exist")
+        ok, why = self.available()
+        if not ok:
+            raise SandboxError(why)
+        files = {self._workspace_path(rel): content for rel, content in spec.files.items()}   # refuse early
+        sdir = self.state_dir / sid
+        if len(str(sdir / "agent.sock").encode()) > 107:
+            raise SandboxError(f"state dir path too long for a unix socket: {self.state_dir}")
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            sdir.mkdir(mode=0o700)
+        except FileExistsError:
+            raise SandboxError(f"sandbox {sid} already exists") from None
+        h = Handle(sandbox_id=sid, backend=self.name, netns=netns,
+                   data={"state_dir": str(sdir), "socket": str(sdir / "agent.sock")})
+        cg = None
+        try:
+            cg = SandboxCgroups.create(sid, spec.limits)
+            h.data["cgroups"] = cg.to_json()
+            self._spawn(h, spec, cg, gateway_ip)
+            client = self._client(h)
+            client.set_env({**base_env(sid), **spec.env})
+            for path, content in files.items():
+                client.write_file(path, content)
+            (sdir / "handle.json").write_text(json.dumps({"sandbox_id": sid, "netns": netns, "data": h.data}))
+            return h
+        except SandboxError:
+            self.destroy(h)
+            raise
+        except Exception as e:      # OSError and friends: still clean up, report as SandboxError
+            self.destroy(h)
+            raise SandboxError(f"sandbox start failed: {type(e).__name__}: {e}") from e
+        except BaseException:
+            self.destroy(h)
+            raise
+
+    @staticmethod
+    def _workspace_path(rel: str) -> str:
+        parts = [p for p in rel.split("/") if p not in ("", ".")]
+        if not parts or ".." in parts:
+            raise SandboxError(f"invalid file path {rel!r} (relative to /workspace, no '..')")
+        return "/workspace/" + "/".join(parts)
+
+    def _ca_pem(self) -> bytes:
+        pem = HOST_CA_BUNDLE.read_bytes() if HOST_CA_BUNDLE.exists() else b""
+        if self.ca_bundle:
+            try:
+                extra = self.ca_bundle.read_bytes()
+            except OSError as e:
+                raise SandboxError(f"cannot read CA bundle: {e.strerror}") from None
+            pem = pem + (b"" if pem.endswith(b"\n") or not pem else b"\n") + extra
+        return pem
+
+    def _spawn(self, h: Handle, spec: SandboxSpec, cg: SandboxCgroups, gateway_ip: str) -> None:
+        sid = h.sandbox_id
+        sdir = Path(h.data["state_dir"])
+        fds: list[int] = []
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(h.data["socket"])
+            listener.listen(128)
+
+            def memfd(name: str, data: bytes) -> int:
+                fd = os.memfd_create(name, os.MFD_CLOEXEC)
+                fds.append(fd)
+                _write_all(fd, data)
+                os.lseek(fd, 0, os.SEEK_SET)
+                return fd
+
+            etc_fds = {rel: memfd(rel.replace("/", "_"), data)
+                       for rel, data in etc_files(sid, gateway_ip, self._ca_pem()).items()}
+            seccomp_fd = memfd("seccomp", self._seccomp)
+            agent_fd = os.open(self.agent_binary, os.O_PATH | os.O_CLOEXEC)
+            fds.append(agent_fd)
+            host_etc = [rel for rel in HOST_ETC if os.path.lexists(f"/etc/{rel}")]
+            argv = bwrap_argv(sandbox_id=sid, disk_mb=spec.limits.disk_mb, seccomp_fd=seccomp_fd,
+                              agent_fd=agent_fd, listen_fd=listener.fileno(), etc_fds=etc_fds,
+                              host_etc=host_etc, usr_links=_usr_links(), env=base_env(sid))
+            launch = [str(self.agent_binary), "--launch"]
+            for f in cg.procs_files():
+                launch += ["--cgroup", f]
+            launch += ["--", NSENTER, f"--net=/run/netns/{h.netns}", "--setuid", str(self.host_uid),
+                       "--setgid", str(self.host_uid)]
+            log_path = sdir / "bwrap.log"
+            t0 = time.monotonic()
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen(launch + argv, pass_fds=[listener.fileno(), *fds], stdin=subprocess.DEVNULL,
+                                        stdout=log, stderr=log, start_new_session=True, close_fds=True)
+        finally:
+            listener.close()    # the agent holds the only listening copy now
+            for fd in fds:
+                with suppress(OSError):
+                    os.close(fd)
+        self._children[sid] = proc
+        h.data["bwrap_pid"] = proc.pid
+        h.data["bwrap_start"] = _start_time(proc.pid)
+        self._wait_ready(h, proc, log_path)
+        h.data["start_latency_s"] = round(time.monotonic() - t0, 4)
+
+    def _wait_ready(self, h: Handle, proc: subprocess.Popen, log_path: Path) -> None:
+        """Ping until the agent answers; fail fast (with bwrap's stderr) if bwrap exits."""
+        deadline = time.monotonic() + self.start_timeout
+        client = self._client(h)
+        last = "no answer"
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise SandboxError(f"sandbox exited during start (code {proc.returncode}): "
+                                   f"{_tail(log_path) or 'no output'}")
+            try:
+                client.ping(timeout=min(0.25, max(0.01, deadline - time.monotonic())))
+                return
+            except AgentError as e:
+                last = str(e)
+        raise SandboxError(f"agent did not answer within {self.start_timeout:.0f}s ({last}); "
+                           f"bwrap: {_tail(log_path) or 'no output'}")
+
+    def _client(self, h: Handle) -> AgentClient:
+        return AgentClient(unix_connector(h.data["socket"]))
+
+    def _cg(self, h: Handle) -> SandboxCgroups | None:
+        d = h.data.get("cgroups")
+        return SandboxCgroups.from_json(d) if d else None
+
+    # ------------------------------------------------------------ operations
+    def exec(self, h: Handle, argv: list[str], *, timeout: float = 30.0, env: dict[str, str] | None = None,
+             stdin: bytes = b"", cwd: str = "/workspace") -> ExecResult:
+        return self._client(h).exec(argv, timeout=timeout, env=env, stdin=stdin, cwd=cwd)
+
+    def write_file(self, h: Handle, path: str, data: bytes, mode: int = 0o644) -> None:
+        self._client(h).write_file(path, data, mode)
+
+    def read_file(self, h: Handle, path: str, max_bytes: int = 16 << 20) -> bytes:
+        return self._client(h).read_file(path, max_bytes)
+
+    def set_env(self, h: Handle, env: dict[str, str]) -> None:
+        self._client(h).set_env({**base_env(h.sandbox_id), **env})
+
+    def pause(self, h: Handle) -> None:
+        cg = self._cg(h)
+        if cg is None or not cg.can_freeze():
+            raise NotSupported("no freezer cgroup on this host")
+        cg.freeze()
+
+    def resume(self, h: Handle) -> None:
+        cg = self._cg(h)
+        if cg is None or not cg.can_freeze():
+            raise NotSupported("no freezer cgroup on this host")
+        cg.thaw()
+
+    def alive(self, h: Handle) -> bool:
+        if not _same_process(h.data.get("bwrap_pid"), h.data.get("bwrap_start")):
+            return False
+        try:
+            self._client(h).ping(timeout=2.0)
+            return True
+        except AgentError:
+            return False
+
+    def usage(self, h: Handle) -> dict:
+        cg = self._cg(h)
+        if cg is None:
+            return {"memory_bytes": 0, "cpu_seconds": 0.0, "pids": 0}
+        return cg.usage()
+
+    def destroy(self, h: Handle) -> None:
+        cg = self._cg(h)
+        pid, start = h.data.get("bwrap_pid"), h.data.get("bwrap_start")
+        proc = self._children.pop(h.sandbox_id, None)
+        if _same_process(pid, start):
+            # SIGKILL to the sandbox's pid 1 makes the kernel kill its whole pid namespace
+            # (no fork race), and bwrap, still alive, reaps it and exits: no orphan zombies.
+            for child in _children_of(pid):
+                with suppress(ProcessLookupError):
+                    os.kill(child, signal.SIGKILL)
+            self._wait_exit(pid, start, proc, timeout=2.0)
+        # whatever is left in the cgroups (bwrap itself if it hung, anything that escaped)
+        killed = cg.kill_all() if cg is not None else set()
+        if _same_process(pid, start):
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self._wait_exit(pid, start, proc, timeout=5.0)
+        _wait_gone(killed, timeout=1.0)
+        if cg is not None and not cg.remove():
+            cg.kill_all()        # last resort: something appeared between kill and rmdir
+            cg.remove()
+        sdir = h.data.get("state_dir")
+        if sdir and Path(sdir).parent == self.state_dir:
+            shutil.rmtree(sdir, ignore_errors=True)
+
+    @staticmethod
+    def _wait_exit(pid: int | None, start: int | None, proc: subprocess.Popen | None, timeout: float) -> None:
+        if proc is not None:
+            with suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=timeout)
+            return
+        deadline = time.monotonic() + timeout
+        while pid and _same_process(pid, start) and time.monotonic() < deadline:
+            with suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)    # ours when this instance's process created it
+            if _state(pid) == "Z":
+                return                          # dead; reaping is its parent's job
+            time.sleep(0.005)
+
+    def list(self) -> list[Handle]:
+        """Handles of the sandboxes whose state is under state_dir (e.g. after a restart)."""
+        out = []
+        for f in sorted(self.state_dir.glob("*/handle.json")):
+            with suppress(OSError, ValueError, KeyError):
+                d = json.loads(f.read_text())
+                out.append(Handle(sandbox_id=d["sandbox_id"], backend=self.name, netns=d["netns"], data=d["data"]))
+        return out
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]

@@ -1,0 +1,105 @@
+"""Sandbox records in SQLite: what the manager needs to find its sandboxes again
+after a daemon restart (the sandboxes themselves keep running)."""
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .backend import Handle, Limits
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    backend TEXT NOT NULL,
+    labels TEXT NOT NULL,
+    limits TEXT NOT NULL,
+    state TEXT NOT NULL,          -- creating | running | paused | failed
+    handle TEXT,                  -- backend Handle as JSON
+    ip TEXT,
+    created REAL NOT NULL,
+    start_ms REAL,
+    error TEXT
+);
+"""
+
+
+@dataclass
+class SandboxRecord:
+    id: str
+    tenant: str
+    backend: str
+    labels: dict = field(default_factory=dict)
+    limits: Limits = field(default_factory=Limits)
+    state: str = "creating"
+    handle: Handle | None = None
+    ip: str | None = None
+    created: float = field(default_factory=time.time)
+    start_ms: float | None = None
+    error: str | None = None
+
+    def public(self) -> dict:
+        """The API view (no backend internals)."""
+        return {"id": self.id, "tenant": self.tenant, "backend": self.backend, "labels": self.labels,
+                "limits": asdict(self.limits), "state": self.state, "ip": self.ip,
+                "created": self.created, "start_ms": self.start_ms, "error": self.error}
+
+
+class StateStore:
+    def __init__(self, path: str | Path):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(SCHEMA)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def put(self, r: SandboxRecord) -> None:
+        h = json.dumps({"sandbox_id": r.handle.sandbox_id, "backend": r.handle.backend,
+                        "netns": r.handle.netns, "data": r.handle.data}) if r.handle else None
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO sandboxes VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (r.id, r.tenant, r.backend, json.dumps(r.labels), json.dumps(asdict(r.limits)), r.state,
+                 h, r.ip, r.created, r.start_ms, r.error))
+
+    def insert_new(self, r: SandboxRecord) -> bool:
+        """Claim the id; False if it is taken (two creates of one id race here, one wins)."""
+        with self._lock:
+            try:
+                self._db.execute("INSERT INTO sandboxes (id, tenant, backend, labels, limits, state, created) "
+                                 "VALUES (?,?,?,?,?,?,?)",
+                                 (r.id, r.tenant, r.backend, json.dumps(r.labels), json.dumps(asdict(r.limits)),
+                                  r.state, r.created))
+                return True
+            except sqlite3.IntegrityError:
+                return False
+
+    def delete(self, sandbox_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+
+    def get(self, sandbox_id: str) -> SandboxRecord | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
+        return _record(row) if row else None
+
+    def all(self) -> list[SandboxRecord]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM sandboxes ORDER BY created").fetchall()
+        return [_record(r) for r in rows]
+
+
+def _record(row) -> SandboxRecord:
+    (sid, tenant, backend, labels, limits, state, handle, ip, created, start_ms, error) = row
+    h = json.loads(handle) if handle else None
+    return SandboxRecord(sid, tenant, backend, json.loads(labels), Limits(**json.loads(limits)), state,
+                         Handle(**h) if h else None, ip, created, start_ms, error)

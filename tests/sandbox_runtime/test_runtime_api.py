@@ -1,0 +1,200 @@
+"""The sandbox runtime end to end through the real daemon: REST API + CLI, namespace
+backend (bubblewrap), cubevs switch, transparent gateway, sandbox DNS, vault.
+
+One daemon for the module; sandboxes are created through `cubegate sandbox ...`
+(run in the gateway's namespace, where the loopback API listens)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from testbed.netns import call_in_netns
+from tests.gateway.switchlab import HUB_IP, switch_lab
+
+pytestmark = pytest.mark.netns
+
+TPORT = 18074
+API_PORT = 18073
+SECRET = "sk-live-runtime-5d4c3b2a1f0e9d8c"
+POLICY = """\
+name: acme-agents
+tenant: acme
+applies_to: {labels: {tenant: acme}}
+default: deny
+rules:
+  - name: lab
+    action: allow
+    match: {hosts: [api.allowed.test, echo.allowed.test], ports: [443, 80]}
+"""
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _vault(gw) -> None:
+    gw.cli("vault", "init")
+    gw.cli("vault", "secret", "put", "acme", "openai", input=SECRET + "\n")
+    gw.cli("vault", "binding", "add", "--id", "b-echo", "--tenant", "acme", "--secret", "openai",
+           "--host", "echo.allowed.test", "--port", "443", "--header", "Authorization",
+           "--format", "Bearer {secret}", "--placeholder")
+
+
+@pytest.fixture(scope="module")
+def rt(lab, tmp_path_factory):
+    settings = {"dns": {"listen_host": HUB_IP, "port": 53},
+                "runtime": {"enabled": True, "api_port": API_PORT, "memory_mb": 1024, "cpus": 1.0,
+                            "max_sandboxes": 8, "host_reserve_mb": 256}}
+    with switch_lab(lab, tmp_path_factory.mktemp("rt"), POLICY, sandbox=None, tport=TPORT, prefix="cr",
+                    settings_extra=settings, before_start=_vault) as (gw, sw, _):
+        ca = gw.dir / "sandbox-ca.pem"
+        ca.write_text(Path(lab.ca.bundle_path).read_text() + gw.ca_cert.read_text())
+        gw.sandbox_ca = ca
+        yield gw, sw
+
+
+def cli(lab, gw, *args: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
+    r = lab.run_gw([str(REPO / ".venv/bin/cubegate"), "-c", str(gw.settings_path), "sandbox", *args],
+                   lab_dns=False, cwd=REPO, input=input, timeout=120)
+    if check and r.returncode != 0:
+        raise AssertionError(f"cubegate sandbox {' '.join(args)} → {r.returncode}: {r.stderr}\n{gw.log()[-3000:]}")
+    return r
+
+
+def api(lab, gw, method: str, path: str, token: str | None = "file", **kw) -> httpx.Response:
+    if token == "file":
+        token = (gw.state_dir / "runtime" / "api.token").read_text().strip()
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    def call():
+        return httpx.request(method, f"http://127.0.0.1:{API_PORT}/v1{path}", headers=headers, timeout=60, **kw)
+    return call_in_netns(lab.gw_ns, call)
+
+
+def create(lab, gw, sid: str, *extra: str) -> dict:
+    out = cli(lab, gw, "create", sid, "--tenant", "acme", "--file", f"ca.pem={gw.sandbox_ca}", "--json", *extra)
+    return json.loads(out.stdout)
+
+
+def sexec(lab, gw, sid, *argv, check=False) -> subprocess.CompletedProcess:
+    return cli(lab, gw, "exec", sid, "--timeout", "20", "--", *argv, check=check)
+
+
+def test_create_exec_and_exit_codes(rt, lab):
+    gw, sw = rt
+    sb = create(lab, gw, "sb-one")
+    try:
+        assert sb["state"] == "running" and sb["ip"].startswith("10.200.") and sb["start_ms"] > 0
+        assert sw.lookup_by_ip(sb["ip"]) == "sb-one"      # network attached before "running"
+        r = sexec(lab, gw, "sb-one", "sh", "-c", "echo out; echo err >&2; exit 3")
+        assert (r.returncode, r.stdout, r.stderr) == (3, "out\n", "err\n")
+        r = sexec(lab, gw, "sb-one", "cat", "/workspace/ca.pem", check=True)
+        assert "BEGIN CERTIFICATE" in r.stdout
+        ls = json.loads(cli(lab, gw, "ls", "--json").stdout)
+        assert [(s["id"], s["state"]) for s in ls] == [("sb-one", "running")]
+        got = json.loads(cli(lab, gw, "get", "sb-one").stdout)
+        assert got["usage"]["memory_bytes"] > 0 and got["usage"]["pids"] >= 1
+    finally:
+        cli(lab, gw, "rm", "sb-one", check=False)
+
+
+def test_traffic_goes_through_the_gateway_with_the_tenants_policy_and_credentials(rt, lab):
+    gw, _ = rt
+    create(lab, gw, "sb-net", "--secret-env", "OPENAI_API_KEY=openai")
+    try:
+        curl = ("curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "10",
+                "--cacert", "/workspace/ca.pem")
+        r = sexec(lab, gw, "sb-net", *curl, "https://api.allowed.test/rt-allowed")
+        assert r.stdout == "200", (r, gw.log()[-2000:])
+        rec = gw.wait_record(lambda x: x.get("sandbox") == "sb-net" and x.get("host") == "api.allowed.test")
+        assert rec["decision"] == "allow"
+        r = sexec(lab, gw, "sb-net", *curl, "https://denied.test/")
+        assert r.stdout != "200"
+        # The sandbox holds a placeholder, never the key; the gateway injects the real one.
+        env = sexec(lab, gw, "sb-net", "sh", "-c", "echo $OPENAI_API_KEY", check=True).stdout.strip()
+        assert env.startswith("cgph_") and SECRET not in env
+        r = sexec(lab, gw, "sb-net", "curl", "-s", "--max-time", "10", "--cacert", "/workspace/ca.pem",
+                  "-H", f"Authorization: Bearer {env}", "https://echo.allowed.test/rt-inject", check=True)
+        auth = [v for k, v in json.loads(r.stdout)["header_list"] if k.lower() == "authorization"]
+        assert auth == ["Bearer [REDACTED]"], r.stdout
+        rec = gw.wait_record(lambda x: x["event"] == "request" and x.get("path") == "/rt-inject")
+        assert rec["sandbox"] == "sb-net" and rec["extra"]["secret"] == "openai"
+        # Direct egress that bypasses the gateway is dropped by the switch.
+        r = sexec(lab, gw, "sb-net", "curl", "-s", "--max-time", "3", "http://198.18.0.10:8443/")
+        assert r.returncode != 0
+    finally:
+        cli(lab, gw, "rm", "sb-net", check=False)
+
+
+def test_real_secret_in_env_is_refused(rt, lab):
+    gw, _ = rt
+    r = cli(lab, gw, "create", "sb-leak", "--tenant", "acme", "--env", f"KEY={SECRET}", check=False)
+    assert r.returncode != 0 and "real value of secret(s) openai" in r.stderr
+    assert SECRET not in r.stderr and SECRET not in gw.log()
+    assert api(lab, gw, "GET", "/sandboxes/sb-leak").status_code == 404   # nothing half-made left
+
+
+def test_admission_refuses_beyond_the_budget_at_once(rt, lab):
+    gw, _ = rt
+    create(lab, gw, "sb-cap1", "--memory-mb", "400")
+    create(lab, gw, "sb-cap2", "--memory-mb", "400")
+    try:
+        t0 = time.monotonic()
+        r = cli(lab, gw, "create", "sb-cap3", "--tenant", "acme", "--memory-mb", "400", check=False)
+        assert r.returncode != 0 and "429: not enough memory: 400 MB asked, 224 MB of 1024 MB" in r.stderr, r.stderr
+        assert time.monotonic() - t0 < 10
+        metrics = gw.ops("/metrics").stdout
+        assert 'cubegate_sandbox_creations_total{backend="namespace",result="capacity"} 1.0' in metrics
+        assert 'cubegate_host_reserved{resource="memory_bytes"} 8.388608e+08' in metrics
+        assert 'cubegate_sandboxes_live{backend="namespace",state="running"} 2.0' in metrics
+        assert 'cubegate_sandbox_memory_bytes{backend="namespace",sandbox="sb-cap1"}' in metrics
+        assert "cubegate_sandbox_start_seconds_bucket" in metrics
+    finally:
+        cli(lab, gw, "rm", "sb-cap1", "sb-cap2", check=False)
+
+
+def test_destroy_leaves_nothing(rt, lab):
+    gw, sw = rt
+    sb = create(lab, gw, "sb-gone")
+    netns = sw.sandbox("sb-gone").netns
+    cli(lab, gw, "rm", "sb-gone")
+    assert sw.sandbox("sb-gone") is None
+    assert not Path(f"/run/netns/{netns}").exists()
+    assert "sb-gone" not in gw.cli("identity", "ls")
+    assert not list(Path("/sys/fs/cgroup/memory").glob("**/sb-gone"))
+    assert not (gw.state_dir / "runtime" / "namespace" / "sb-gone").exists()
+    assert subprocess.run(["pgrep", "-f", "sb-gone"], capture_output=True).returncode == 1
+    assert api(lab, gw, "GET", "/sandboxes/sb-gone").status_code == 404
+    assert sb["ip"] and sw.lookup_by_ip(sb["ip"]) is None
+
+
+def test_api_needs_a_token_and_audits_admin_actions(rt, lab):
+    gw, _ = rt
+    assert api(lab, gw, "GET", "/sandboxes", token=None).status_code == 401
+    assert api(lab, gw, "POST", "/sandboxes", token="wrong", json={"id": "x", "tenant": "acme"}).status_code == 401
+    r = api(lab, gw, "POST", "/sandboxes", json={"id": "Bad_Id", "tenant": "acme"})
+    assert r.status_code == 400 and "id must match" in r.json()["message"]
+    r = api(lab, gw, "POST", "/sandboxes", json={"id": "ok-id", "tenant": "acme", "limits": {"memory_mb": -1}})
+    assert r.status_code == 400
+    doc = api(lab, gw, "GET", "/openapi.json", token=None).json()
+    assert "/v1/sandboxes/{id}/exec" in doc["paths"]
+    rec = gw.wait_record(lambda x: x["event"] == "admin" and x["extra"].get("action") == "sandbox.post"
+                         and x["status"] == 401)
+    assert rec["decision"] == "deny"
+
+
+def test_sandbox_survives_a_daemon_restart(rt, lab):
+    gw, _ = rt
+    create(lab, gw, "sb-keep")
+    try:
+        sexec(lab, gw, "sb-keep", "sh", "-c", "echo before > /workspace/mark", check=True)
+        gw.stop()
+        gw.start()
+        r = sexec(lab, gw, "sb-keep", "cat", "/workspace/mark", check=True)
+        assert r.stdout == "before\n"
+        ls = json.loads(cli(lab, gw, "ls", "--json").stdout)
+        assert [(s["id"], s["state"]) for s in ls] == [("sb-keep", "running")]
+    finally:
+        cli(lab, gw, "rm", "sb-keep", check=False)
