@@ -181,8 +181,15 @@ class PolicyGate:
     def _kill_client(self, client: connection.Client) -> None:
         ps = ctx.master.addons.get("proxyserver")
         handler = ps.connections.get(client.id) if ps else None
-        if handler is not None:
-            handler.close_connection(client)
+        if handler is None:
+            return
+        transport = getattr(getattr(handler.transports.get(client), "writer", None), "transport", None)
+        handler.close_connection(client)
+        # close_connection only cancels the handler task; when that task is itself waiting
+        # on this hook (e.g. after an await in tls_clienthello) the socket stays open and
+        # the sandbox hangs until its own timeout. Reset it now (nothing buffered is lost).
+        if transport is not None and not transport.is_closing() and transport.get_write_buffer_size() == 0:
+            transport.abort()
 
     # --------------------------------------------------------------- deadlines
     # mitmproxy 12 only has tcp_timeout, an inactivity timer that every byte resets:

@@ -75,7 +75,8 @@ def test_plain_http_destination_comes_from_host_header_not_the_dialled_ip(tlab, 
 def test_denied_host_is_reset_and_audited(tlab, lab):
     gw, _, net = tlab
     r = sandbox_curl(lab, net, "https://denied.test/t-deny-1", "--resolve", "denied.test:443:198.18.0.12")
-    assert r.returncode != 0, r
+    # Reset at once (curl 35: TLS connect error / 56: recv failure), not left hanging (28: timeout).
+    assert r.returncode in (35, 56), r
     rec = gw.wait_record(lambda x: x["event"] == "decision" and x.get("sandbox") == SANDBOX
                          and x.get("host") == "denied.test")
     assert rec["decision"] == "deny" and rec["reason"] == "default_deny"
@@ -85,7 +86,7 @@ def test_denied_host_is_reset_and_audited(tlab, lab):
 def test_sni_decides_even_when_the_sandbox_dials_an_allowed_ip(tlab, lab):
     gw, _, net = tlab
     r = sandbox_curl(lab, net, "https://denied.test/t-deny-2", "--resolve", "denied.test:443:198.18.0.10")
-    assert r.returncode != 0, r
+    assert r.returncode in (35, 56), r
     gw.wait_record(lambda x: x["event"] == "decision" and x.get("sni") == "denied.test"
                    and x.get("decision") == "deny" and x.get("reason") == "default_deny")
     recs = [x for x in gw.audit_records() if x.get("sandbox") == SANDBOX and x.get("host") == "denied.test"]
