@@ -190,13 +190,22 @@ class AuditLog:
         # A crash mid-write leaves a line without "\n"; never append after it.
         if size == 0:
             return 0
-        with open(self.path, "rb") as f:
-            if os.fstat(f.fileno()).st_ino != os.fstat(fd).st_ino:
+        # During a rolling restart the old gateway may still be appending: a tail read
+        # mid-write looks torn. Cut only a tail that stays unchanged for a moment.
+        for _ in range(4):
+            with open(self.path, "rb") as f:
+                if os.fstat(f.fileno()).st_ino != os.fstat(fd).st_ino:
+                    return size
+                end = last_line_end(f)
+            if end == size:
                 return size
-            end = last_line_end(f)
-        if end != size:
-            os.ftruncate(fd, end)
-        return end
+            time.sleep(0.05)
+            now = os.fstat(fd).st_size
+            if now == size:
+                os.ftruncate(fd, end)
+                return end
+            size = now
+        return size   # still moving: someone is writing; leave it (readers skip torn lines)
 
     def _write(self, line: bytes) -> None:
         assert self._fd is not None
@@ -208,7 +217,9 @@ class AuditLog:
             # Short write (typically the disk just filled): remove the fragment
             # so the next record does not glue onto it.
             try:
-                os.ftruncate(self._fd, self._size)
+                # only our own fragment: never cut what another writer appended meanwhile
+                if os.fstat(self._fd).st_size == self._size + n:
+                    os.ftruncate(self._fd, self._size)
             except OSError:
                 pass  # readers skip it; _open cuts it next time
             raise AuditWriteError(
