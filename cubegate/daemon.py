@@ -75,10 +75,10 @@ class Daemon:
             header_timeout=s.proxy.header_timeout, upstream_timeout=s.proxy.upstream_timeout,
             connect_timeout=s.proxy.connect_timeout,
         )
+        from cubegate import runtime_service  # sandboxes + their API (runtime.enabled); creates the switch
+        self._runtime = await runtime_service.start_for(self)   # before DNS: the switch adds the hub address
         from cubegate import sandbox_dns  # sandbox DNS resolver (settings.dns; off when listen_host is null)
         self._dns = await sandbox_dns.start_for(self)
-        from cubegate import runtime_service  # sandboxes + their API (runtime.enabled); creates the switch
-        self._runtime = await runtime_service.start_for(self)
         from cubegate import netwatch  # switch counters on /metrics, drop events to audit (transparent mode)
         self._netwatch = await netwatch.start_for(self)
         self.master = build_master(
@@ -247,7 +247,7 @@ def _raise_nofile_limit() -> None:
 def _admin_record(rec: dict) -> dict:
     """Vault admin actions → audit records (never a value: the vault hook carries none)."""
     import uuid
-    return {"id": uuid.uuid4().hex, "ts": now_ts(), "event": "admin",
+    return {"id": uuid.uuid4().hex, "ts": now_ts(), "event": "admin", "sandbox": rec.get("sandbox"),
             "decision": "allow" if rec.get("outcome", "ok") == "ok" else "deny",
             "reason": rec.get("reason") or rec.get("action"), "status": rec.get("status"),
             "extra": {k: v for k, v in rec.items() if k in

@@ -19,7 +19,8 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-PROXY_PORT, OPS_PORT, VAULT_PORT = 8080, 9090, 9091
+PROXY_PORT, OPS_PORT, VAULT_PORT, TRANSPARENT_PORT, RUNTIME_PORT = 8080, 9090, 9091, 8081, 9092
+HUB_IP = "10.200.0.1"   # the cubevs switch's gateway address (sandbox default route and DNS)
 
 
 def _say(text: str) -> None:
@@ -47,7 +48,11 @@ def run_demo(keep: bool = False) -> int:
             settings = {
                 "state_dir": str(work / "state"),
                 "policy_dir": str(REPO / "policies"),
-                "proxy": {"listen_host": "127.0.0.1", "explicit_port": PROXY_PORT},
+                # 0.0.0.0: the switch steers sandbox traffic to the transparent port on the hub address
+                "proxy": {"listen_host": "0.0.0.0", "explicit_port": PROXY_PORT,
+                          "transparent_port": TRANSPARENT_PORT},
+                "dns": {"listen_host": HUB_IP, "port": 53},
+                "runtime": {"enabled": True, "api_port": RUNTIME_PORT},
                 "ops": {"listen_host": "127.0.0.1", "port": OPS_PORT},
                 "upstream": {"ca_bundle": str(lab.ca.bundle_path), "nameservers": [lab.dns_addr],
                              "allow_cidrs": ["198.18.0.0/24"]},
@@ -106,6 +111,8 @@ def run_demo(keep: bool = False) -> int:
             except (ValueError, KeyError):
                 pass
 
+            _sandbox_demo(lab, cli, work, ca)
+
             time.sleep(1.2)
             _say("audit records (cubegate audit query)")
             subprocess.run([*cli, "audit", "query", "--dir", str(Path(settings["state_dir"]) / "audit"),
@@ -123,6 +130,7 @@ def run_demo(keep: bool = False) -> int:
     finally:
         if gw_proc and gw_proc.poll() is None:
             gw_proc.kill()
+        _remove_switch(work / "state" / "cubevs")
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -138,3 +146,55 @@ def _setup_demo_vault(cli: list[str]) -> None:
         "--host", "echo.allowed.test", "--port", "443", "--header", "Authorization",
         "--format", "Bearer {secret}", "--placeholder")
     print("vault: secret demo/openai stored encrypted; bound to https://echo.allowed.test (Authorization: Bearer ...)")
+
+
+def _sandbox_demo(lab, cli: list[str], work: Path, gateway_ca: str) -> None:
+    """A real sandbox (bubblewrap, on the cubevs switch, no proxy settings at all)."""
+    sb = [*cli, "sandbox"]
+
+    def run(*a: str) -> subprocess.CompletedProcess:
+        return lab.run_gw([*sb, *a], lab_dns=False, cwd=REPO, timeout=60)
+
+    ca = work / "sandbox-ca.pem"   # the lab's upstream CA + the gateway's interception CA
+    ca.write_text(Path(lab.ca.bundle_path).read_text() + Path(gateway_ca).read_text())
+    _say("a sandbox: bubblewrap namespaces + cgroups + seccomp, on the eBPF switch (transparent mode)")
+    print("$ cubegate sandbox create demo-agent --tenant demo --secret-env OPENAI_API_KEY=openai --file ca.pem=...")
+    r = run("create", "demo-agent", "--tenant", "demo", "--secret-env", "OPENAI_API_KEY=openai",
+            "--file", f"ca.pem={ca}")
+    print("  ->", (r.stdout or r.stderr).strip())
+    if r.returncode != 0:
+        return
+    try:
+        curl = ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "5",
+                "--cacert", "/workspace/ca.pem"]
+        for title, argv in [
+            ("inside the sandbox: env holds a placeholder, not the key", ["sh", "-c", "echo OPENAI_API_KEY=$OPENAI_API_KEY"]),
+            ("inside: allowed host (no proxy configured: the switch steers it)", [*curl, "https://api.allowed.test/v1/models"]),
+            ("inside: denied host (NXDOMAIN from the sandbox resolver)", [*curl, "https://denied.test/"]),
+            ("inside: straight to an IP, bypassing DNS and the gateway (dropped by the switch)",
+             ["curl", "-s", "--max-time", "3", "http://198.18.0.10:8443/"]),
+            ("inside: credential injected on the way out",
+             ["sh", "-c", 'curl -s --cacert /workspace/ca.pem -H "Authorization: Bearer $OPENAI_API_KEY" '
+              "https://echo.allowed.test/v1/chat | grep -o '\"[Aa]uthorization\", \"[^\"]*\"'"]),
+        ]:
+            _say(title)
+            print(f"$ cubegate sandbox exec demo-agent -- {' '.join(argv)}")
+            r = run("exec", "demo-agent", "--", *argv)
+            out = (r.stdout.strip() or r.stderr.strip() or "(no output)")
+            print(f"  -> exit {r.returncode}: {out}")
+        print(run("ls").stdout)
+    finally:
+        r = run("rm", "demo-agent")
+        print((r.stdout or r.stderr).strip())
+
+
+def _remove_switch(state_dir: Path) -> None:
+    """The eBPF pins live on a bpffs mounted in the state dir: unmount it before the dir goes."""
+    from contextlib import suppress
+    bpffs = state_dir / "bpf"
+    if bpffs.is_dir():
+        from cubevs import bpf_loader
+        with suppress(Exception):
+            bpf_loader.remove_pins(bpffs)
+        with suppress(Exception):
+            bpf_loader.umount_bpffs(bpffs)

@@ -21,10 +21,13 @@ log = logging.getLogger("cubegate.runtime")
 
 def open_switch(settings):
     from cubevs.registry import DB_NAME
-    from cubevs.switch import Switch
+    from cubevs.switch import Switch, SwitchError
     state_dir = settings.cubevs_state_dir
     if (Path(state_dir) / DB_NAME).exists():
-        return Switch.reopen(state_dir)
+        try:
+            return Switch.reopen(state_dir)
+        except SwitchError:   # a registry without switch settings (nothing attached yet)
+            pass
     p = settings.proxy
     return Switch(hub_netns=settings.runtime.hub_netns, state_dir=state_dir, bpffs_dir=Path(state_dir) / "bpf",
                   transparent_port=p.transparent_port, gateway_ports=(p.transparent_port, p.explicit_port),
