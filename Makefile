@@ -4,7 +4,7 @@
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
-APT_PACKAGES := gcc libc6-dev clang llvm libbpf-dev bpftool nftables bubblewrap iproute2 curl dnsutils tinyproxy procps psmisc
+APT_PACKAGES := gcc libc6-dev qemu-system-x86 busybox-static clang llvm libbpf-dev bpftool nftables bubblewrap iproute2 curl dnsutils tinyproxy procps psmisc
 
 .PHONY: setup apt venv demo test bench bpf clean
 
@@ -27,6 +27,7 @@ venv: $(VENV)/.installed
 bpf: venv
 	$(PY) -m cubevs.build
 	$(PY) -m sandbox_runtime.build_agent
+	$(PY) -m sandbox_runtime.microvm build
 
 demo: setup
 	$(VENV)/bin/cubegate demo

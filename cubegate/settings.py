@@ -89,7 +89,7 @@ class RuntimeSettings:
     default_cpus: float = 0.25
     default_pids: int = 256
     default_disk_mb: int = 256
-    microvm_assets: str | None = None        # default: <state_dir>/microvm
+    microvm_assets: str | None = None        # default: <repo>/.cache/microvm (`make setup` builds it)
     hub_netns: str | None = None             # cubevs hub namespace (None = the daemon's own)
 
 
@@ -134,7 +134,10 @@ class Settings:
 
     @property
     def microvm_assets_dir(self) -> Path:
-        return Path(self.runtime.microvm_assets or Path(self.state_dir) / "microvm")
+        if self.runtime.microvm_assets:
+            return Path(self.runtime.microvm_assets)
+        from sandbox_runtime.microvm.assets import default_assets_dir   # built by `make setup`
+        return Path(default_assets_dir())
 
     @property
     def vault_key_file(self) -> Path:

@@ -54,13 +54,19 @@ def _sysctls(ns: str | None, values: dict[str, str | int]) -> None:
                 f.write(str(val))
 
 
+def _ipr(ns: str | None) -> IPRoute:
+    return IPRoute(netns=netns.path(ns)) if ns else IPRoute()
+
+
 class Hub:
     """Netlink handle bound to the hub namespace (None = the caller's namespace)."""
 
     def __init__(self, hub_netns: str | None):
         self.ns = hub_netns
-        with netns.entered(hub_netns):
-            self.ipr = IPRoute()   # socket is created (and stays) in the hub netns
+        # IPRoute(netns=...), not IPRoute() after setns(): pyroute2 0.9 opens a new socket per
+        # calling thread, so one made after setns() in the main thread works in the caller's
+        # namespace when used from a worker thread (links landed in the root namespace).
+        self.ipr = _ipr(hub_netns)
 
     def close(self) -> None:
         self.ipr.close()
@@ -117,8 +123,7 @@ class Hub:
             # address would be announced with it and the switch would drop the ARP instead
             "net.ipv4.conf.all.arp_announce": 2,
         })
-        with netns.entered(n.netns):
-            ipr = IPRoute()
+        ipr = _ipr(n.netns)
         try:
             lo = ipr.link_lookup(ifname="lo")[0]
             eth = ipr.link_lookup(ifname="eth0")[0]
@@ -139,8 +144,7 @@ class Hub:
         except NetlinkError as e:
             if e.code != errno.EEXIST:
                 raise
-        with netns.entered(n.netns):
-            sipr = IPRoute()
+        sipr = _ipr(n.netns)
         try:
             deadline = time.monotonic() + wait_s
             _wait_running(self.ipr, ifindex, deadline)
