@@ -54,8 +54,32 @@ def _sysctls(ns: str | None, values: dict[str, str | int]) -> None:
                 f.write(str(val))
 
 
-def _ipr(ns: str | None) -> IPRoute:
-    return IPRoute(netns=netns.path(ns)) if ns else IPRoute()
+class _NsIPRoute:
+    """IPRoute whose every call runs inside namespace `ns`.
+
+    pyroute2 0.9 opens its netlink socket lazily, once per calling thread, in that
+    thread's current namespace: an IPRoute made after setns() in one thread works
+    in the root namespace when a worker thread uses it (veths landed there).
+    IPRoute(netns=...) avoids that by fork(), which is unsafe in our threaded daemon."""
+
+    def __init__(self, ns: str | None):
+        self.ns = ns
+        with netns.entered(ns):
+            self._ipr = IPRoute()
+
+    def __getattr__(self, name):
+        attr = getattr(self._ipr, name)
+        if self.ns is None or not callable(attr):
+            return attr
+
+        def in_ns(*args, **kw):
+            with netns.entered(self.ns):
+                return attr(*args, **kw)
+        return in_ns
+
+
+def _ipr(ns: str | None) -> _NsIPRoute:
+    return _NsIPRoute(ns)
 
 
 class Hub:
@@ -63,10 +87,7 @@ class Hub:
 
     def __init__(self, hub_netns: str | None):
         self.ns = hub_netns
-        # IPRoute(netns=...), not IPRoute() after setns(): pyroute2 0.9 opens a new socket per
-        # calling thread, so one made after setns() in the main thread works in the caller's
-        # namespace when used from a worker thread (links landed in the root namespace).
-        self.ipr = _ipr(hub_netns)
+        self.ipr = _ipr(hub_netns)   # every call inside the hub namespace, from any thread
 
     def close(self) -> None:
         self.ipr.close()

@@ -39,6 +39,11 @@
 #define CHUNK 65536
 #define FIRST_FRAME_TIMEOUT_S 10
 #define DRAIN_GRACE_MS 300
+#define STDIN_EOF_IDLE_MS 5000    /* serial mode: wait this long (since the last frame) for 'i' */
+#define STDIN_EOF_MAX_MS 60000    /* ... and never longer than this in total */
+#define REOPEN_MS 50              /* serial mode: port reopen delay while the host is away, */
+#define REOPEN_FAST_TRIES 20      /* for this many tries (~1 s: reconnects/restores stay quick), */
+#define REOPEN_MAX_MS 1000        /* then doubling up to this (an idle VM must not spin) */
 
 extern char **environ;
 
@@ -286,6 +291,32 @@ static int pump(int sock, struct stream *s) {
     return 0;
 }
 
+/* Serial mode: the request stream goes on after this exec, so the client's 'i' (stdin EOF)
+ * must be consumed before 'X' is sent: a child that exits without reading stdin finishes
+ * the exec before that frame arrived, and it would otherwise be read as the next request.
+ * Stdin still arriving ('I') is discarded. Bounded: after STDIN_EOF_IDLE_MS without a
+ * frame (or STDIN_EOF_MAX_MS in all) 'X' is sent anyway; dispatch() ignores a late 'i'.
+ * Returns 0 (go on, send 'X'), -1 (client gone or protocol error: do not answer). */
+static int await_stdin_eof(int sock) {
+    int64_t start = now_ms(), until = start + STDIN_EOF_IDLE_MS;
+    for (;;) {
+        int64_t now = now_ms();
+        if (until > start + STDIN_EOF_MAX_MS) until = start + STDIN_EOF_MAX_MS;
+        if (now >= until) return 0;
+        struct pollfd pf = {sock, POLLIN | POLLRDHUP, 0};
+        int r = poll(&pf, 1, (int)(until - now));
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return -1;
+        if (r == 0) return 0;
+        char t; char *pl; uint32_t l;
+        if (recv_frame(sock, &t, &pl, &l) < 0) return -1;
+        free(pl);
+        if (t == 'i') return 0;
+        if (t != 'I') return -1;
+        until = now_ms() + STDIN_EOF_IDLE_MS;   /* the client is still sending stdin */
+    }
+}
+
 static void handle_exec(int sock, char *p, uint32_t len) {
     char *hdr[3];
     uint32_t used;
@@ -407,6 +438,7 @@ static void handle_exec(int sock, char *p, uint32_t len) {
     if (pfd >= 0) close(pfd);
     free(inbuf);
     free(argv); free(extra); free(env);   /* the strings live in the caller's payload */
+    if (!lost && !client_eof && serial_mode && await_stdin_eof(sock) < 0) lost = 1;
     if (lost) return;   /* client gone (or broke the protocol): nobody to answer */
     if (so.truncated) send_str(sock, 'R', "\n[cubegate-agent: stdout truncated at 16 MiB]\n");
     if (se.truncated) send_str(sock, 'R', "\n[cubegate-agent: stderr truncated at 16 MiB]\n");
@@ -429,8 +461,13 @@ static int dispatch(int fd, char type, char *p, uint32_t len) {
     case 'E': handle_exec(fd, p, len); return 0;
     case 'W': handle_write(fd, p, len); return 0;
     case 'G': handle_read(fd, p, len); return 0;
-    default: send_str(fd, 'F', "unknown request"); return -1;
     }
+    /* Serial mode: stdin frames of an exec that was already answered (it failed early, or
+     * its 'i' came after the wait in await_stdin_eof) are not requests: ignore them, an 'F'
+     * here would be taken as the answer to the client's next request. */
+    if (serial_mode && (type == 'I' || type == 'i')) return 0;
+    send_str(fd, 'F', "unknown request");
+    return -1;
 }
 
 static void reap(int sig) {
@@ -482,22 +519,36 @@ static int serve_listener(int lfd) {
     }
 }
 
+/* Delay before the next reopen after `idle` consecutive opens that read nothing. */
+static unsigned reopen_delay_ms(unsigned idle) {
+    if (idle < REOPEN_FAST_TRIES) return REOPEN_MS;
+    unsigned shift = idle - REOPEN_FAST_TRIES + 1;
+    if (shift > 16) return REOPEN_MAX_MS;
+    unsigned ms = REOPEN_MS << shift;
+    return ms < REOPEN_MAX_MS ? ms : REOPEN_MAX_MS;
+}
+
 static _Noreturn void serve_stream(const char *path) {
     serial_mode = 1;
     signal(SIGCHLD, SIG_DFL);
+    unsigned idle = 0;   /* consecutive opens without a frame: the host side is not connected */
     for (;;) {
         int fd = open(path, O_RDWR | O_CLOEXEC | O_NOCTTY);
         if (fd < 0) { perror("cubegate-agent: open"); sleep(1); continue; }
         for (;;) {
             char t; char *p; uint32_t l;
             int rc = recv_frame(fd, &t, &p, &l);
+            if (rc == -1) break;            /* host side closed (a virtio port with no host: at once): reopen */
+            idle = 0;                       /* a frame came: the host is there */
             if (rc == -2) continue;
-            if (rc < 0) break;              /* host side closed: reopen */
             if (dispatch(fd, t, p, l) < 0) { /* unknown type: payload already consumed, go on */ }
             free(p);
         }
         close(fd);
-        usleep(50000);
+        /* Back off while nobody is connected: an unconnected port reads EOF immediately,
+         * and reopening every 50 ms would double an idle VM's CPU. */
+        usleep(reopen_delay_ms(idle) * 1000u);
+        if (idle < UINT_MAX) idle++;
     }
 }
 

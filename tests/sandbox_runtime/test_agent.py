@@ -3,12 +3,13 @@ socket here; inside bwrap in test_namespace.py)."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import struct
 import subprocess
 import threading
 import time
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 
 import pytest
 
@@ -233,7 +234,9 @@ class _PtyStream:
         pass
 
 
-def test_serial_mode_over_a_raw_pty(agent_binary):
+@contextmanager
+def _serial_agent(agent_binary):
+    """The agent in --serve-fd mode on a raw pty; yields (client, stream)."""
     import tty
     master, slave = os.openpty()
     tty.setraw(slave)
@@ -242,7 +245,16 @@ def test_serial_mode_over_a_raw_pty(agent_binary):
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         stream = _PtyStream(master)
-        client = AgentClient(lambda: stream, serial=True)
+        yield AgentClient(lambda: stream, serial=True), stream
+    finally:
+        proc.kill()
+        proc.wait(timeout=5)
+        os.close(master)
+        os.close(slave)
+
+
+def test_serial_mode_over_a_raw_pty(agent_binary):
+    with _serial_agent(agent_binary) as (client, stream):
         assert client.ping().startswith("cubegate-agent")
         r = client.exec(["sh", "-c", "cat; echo err >&2; exit 3"], stdin=b"in\x00\xff\n", cwd="/")
         assert (r.exit_code, r.stdout, r.stderr) == (3, b"in\x00\xff\n", b"err\n")
@@ -251,8 +263,51 @@ def test_serial_mode_over_a_raw_pty(agent_binary):
         stream.sendall(encode_frame(b"Z", b"junk"))
         assert recv_frame(stream) == (b"F", b"unknown request")
         assert client.exec(["echo", "ok"], cwd="/").stdout == b"ok\n"
+
+
+def test_serial_mode_exec_that_ignores_stdin_leaves_the_stream_in_sync(agent_binary):
+    """A child that exits without reading stdin used to finish the exec ('X') before the
+    agent had read the client's stdin frames; the late 'I'/'i' were then read as the next
+    request and answered with a stray 'F', which failed the next, unrelated request. The
+    agent must consume stdin up to 'i' before 'X' (serial mode)."""
+    with _serial_agent(agent_binary) as (client, _):
+        for n in range(50):
+            stdin = b"x" * (1 if n % 2 else 200_000)   # tiny: races the exit; large: still in flight
+            r = client.exec(["true"], stdin=stdin, cwd="/", timeout=10)
+            assert (r.exit_code, r.timed_out) == (0, False), n
+            assert client.ping().startswith("cubegate-agent"), n
+            assert client.exec(["echo", str(n)], cwd="/").stdout == b"%d\n" % n
+
+
+def test_serial_mode_ignores_stray_stdin_frames_between_requests(agent_binary):
+    """Defence in depth: stdin frames of an exec already answered are not requests."""
+    with _serial_agent(agent_binary) as (client, stream):
+        stream.sendall(encode_frame(b"I", b"late stdin") + encode_frame(b"i") + encode_frame(b"P"))
+        assert recv_frame(stream)[0] == b"p"
+        # a malformed exec is answered with 'F' at once; the client's stdin frames that follow are ignored
+        stream.sendall(encode_frame(b"E", b"bad") + encode_frame(b"I", b"data") + encode_frame(b"i"))
+        assert recv_frame(stream)[0] == b"F"
+        assert client.exec(["echo", "ok"], cwd="/").stdout == b"ok\n"
+
+
+def test_serial_mode_backs_off_while_the_host_is_away(agent_binary, tmp_path):
+    """An unconnected virtio port reads EOF at once; the agent must not reopen it every
+    50 ms forever (an idle VM's CPU). An empty regular file behaves the same way."""
+    port = tmp_path / "port"
+    port.write_bytes(b"")
+    proc = subprocess.Popen([str(agent_binary), "--serve-fd", str(port)], cwd="/",
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def sleeps() -> int:   # every reopen delay is one voluntary context switch
+        status = open(f"/proc/{proc.pid}/status").read()
+        return int(re.search(r"^voluntary_ctxt_switches:\s*(\d+)", status, re.M).group(1))
+
+    try:
+        time.sleep(2.5)                        # past the fast phase (~1 s of 50 ms retries)
+        before = sleeps()
+        time.sleep(2.0)
+        assert sleeps() - before <= 6          # 50 ms polling would be ~40
+        assert proc.poll() is None
     finally:
         proc.kill()
         proc.wait(timeout=5)
-        os.close(master)
-        os.close(slave)

@@ -46,6 +46,7 @@ def _vault(gw) -> None:
 def rt(lab, tmp_path_factory):
     settings = {"dns": {"listen_host": HUB_IP, "port": 53},
                 "runtime": {"enabled": True, "api_port": API_PORT, "memory_mb": 1024, "cpus": 1.0,
+                            "backends": ["namespace", "microvm"],
                             "max_sandboxes": 8, "host_reserve_mb": 256}}
     with switch_lab(lab, tmp_path_factory.mktemp("rt"), POLICY, sandbox=None, tport=TPORT, prefix="cr",
                     settings_extra=settings, before_start=_vault) as (gw, sw, _):
@@ -198,3 +199,24 @@ def test_sandbox_survives_a_daemon_restart(rt, lab):
         assert [(s["id"], s["state"]) for s in ls] == [("sb-keep", "running")]
     finally:
         cli(lab, gw, "rm", "sb-keep", check=False)
+
+
+@pytest.mark.slow
+def test_microvm_sandbox_through_the_daemon(rt, lab):
+    """Same API, strong-isolation backend: a QEMU microVM started from the shared template."""
+    gw, sw = rt
+    sb = create(lab, gw, "vm-api", "--backend", "microvm")
+    try:
+        assert sb["backend"] == "microvm" and sb["state"] == "running"
+        r = sexec(lab, gw, "vm-api", "sh", "-c", "cat /proc/version; ip -4 addr show eth0", check=True)
+        assert "Linux version" in r.stdout and f"{sb['ip']}/" in r.stdout
+        r = sexec(lab, gw, "vm-api", "sh", "-c", "timeout 10 wget -q -O - http://api.allowed.test/vm-api-allow")
+        assert r.returncode == 0, (r, gw.log()[-2000:])
+        rec = gw.wait_record(lambda x: x["event"] == "request" and x.get("path") == "/vm-api-allow")
+        assert rec["sandbox"] == "vm-api" and rec["decision"] == "allow"
+        got = json.loads(cli(lab, gw, "get", "vm-api").stdout)
+        assert got["usage"]["memory_bytes"] > 32 * 2**20      # a real VM's RSS, measured
+    finally:
+        cli(lab, gw, "rm", "vm-api", check=False)
+    assert sw.sandbox("vm-api") is None
+    assert not (gw.state_dir / "runtime" / "microvm" / "vm-api").exists()
