@@ -24,6 +24,8 @@ BENCHES = [
     ("bench_gateway.py", 180.0, ["--requests", "150"]),
     ("bench_inject.py", 120.0, ["--requests", "200"]),
     ("bench_cubevs.py", 300.0, ["--quick"]),
+    ("bench_sandbox.py", 300.0, ["--quick"]),
+    ("soak.py", 400.0, ["--sandboxes", "100", "--duration", "30"]),
 ]
 
 
