@@ -569,6 +569,14 @@ static int launch(int argc, char **argv) {
         close(fd);
     }
     if (i + 1 >= argc) { fprintf(stderr, "launch: no command\n"); return 2; }
+    /* Under host memory pressure the kernel must kill sandboxes before the gateway
+     * or the daemon; nothing inside can lower this again (no CAP_SYS_RESOURCE). */
+    int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    if (oom < 0 || write(oom, "500\n", 4) != 4) {
+        fprintf(stderr, "launch: oom_score_adj: %s\n", strerror(errno));
+        return 2;
+    }
+    close(oom);
     execvp(argv[i + 1], argv + i + 1);
     fprintf(stderr, "launch: exec %s: %s\n", argv[i + 1], strerror(errno));
     return 127;

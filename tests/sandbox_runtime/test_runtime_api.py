@@ -91,6 +91,9 @@ def test_create_exec_and_exit_codes(rt, lab):
         assert sw.lookup_by_ip(sb["ip"]) == "sb-one"      # network attached before "running"
         r = sexec(lab, gw, "sb-one", "sh", "-c", "echo out; echo err >&2; exit 3")
         assert (r.returncode, r.stdout, r.stderr) == (3, "out\n", "err\n")
+        # The host OOM killer takes sandboxes first; the sandbox cannot lower that.
+        r = sexec(lab, gw, "sb-one", "sh", "-c", "cat /proc/self/oom_score_adj; echo -100 > /proc/self/oom_score_adj")
+        assert r.stdout == "500\n" and r.returncode != 0, r
         r = sexec(lab, gw, "sb-one", "cat", "/workspace/ca.pem", check=True)
         assert "BEGIN CERTIFICATE" in r.stdout
         ls = json.loads(cli(lab, gw, "ls", "--json").stdout)
