@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from pathlib import Path
 
@@ -111,6 +112,8 @@ class Daemon:
         from egress.credentials import host_policy_check_for
         self.vault = vaultlib.Vault.open(s.vault_db, host_policy_check=host_policy_check_for(lambda: self.policies.current))
         key = vaultlib.key_from_env()
+        # Out of our environment at once: child processes (sandboxes, qemu) must never inherit it.
+        os.environ.pop("CUBEGATE_VAULT_KEY", None)
         try:
             if key is not None:
                 self.vault.unseal(key)

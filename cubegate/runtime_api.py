@@ -106,13 +106,14 @@ class _Base(tornado.web.RequestHandler):
             raise ApiError(400, "bad_json", "request body must be a JSON object")
         return doc
 
-    def reply(self, status: int, doc: Any = None) -> None:
+    def reply(self, status: int, doc: Any = None, compact: bool = False) -> None:
         self.set_status(status)
         if doc is None:
             self.finish()
         else:
             self.set_header("Content-Type", "application/json")
-            self.finish(json.dumps(doc))
+            # compact: no \uXXXX escapes (6 bytes per non-ASCII char) for large exec output
+            self.finish(json.dumps(doc, ensure_ascii=not compact))
 
     def set_default_headers(self) -> None:
         self.set_header("Cache-Control", "no-store")
@@ -151,6 +152,14 @@ class _Base(tornado.web.RequestHandler):
                              "reason": self.reason, "remote": self.request.remote_ip, **self.audit})
         except Exception as e:  # noqa: BLE001
             log.error("runtime API: audit hook failed: %s", type(e).__name__)
+
+
+def _utf8_or_none(data: bytes) -> str | None:
+    """Text only when the bytes are valid UTF-8 (else use the *_b64 field): bounded size."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def _str_dict(doc: dict, key: str) -> dict:
@@ -241,9 +250,9 @@ class ExecHandler(_Base):
         self.audit["exit_code"] = res.exit_code
         self.reply(200, {"exit_code": res.exit_code, "timed_out": res.timed_out,
                          "duration_s": round(res.duration_s, 4),
-                         "stdout": res.stdout.decode("utf-8", "replace"), "stderr": res.stderr.decode("utf-8", "replace"),
+                         "stdout": _utf8_or_none(res.stdout), "stderr": _utf8_or_none(res.stderr),
                          "stdout_b64": base64.b64encode(res.stdout).decode(),
-                         "stderr_b64": base64.b64encode(res.stderr).decode()})
+                         "stderr_b64": base64.b64encode(res.stderr).decode()}, compact=True)
 
 
 class InitHandler(_Base):

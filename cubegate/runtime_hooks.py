@@ -3,7 +3,9 @@ identities (so the gateway knows the sandbox and its labels), the policy (tenant
 check, L4 allow list) and the vault (placeholders; real values refused)."""
 from __future__ import annotations
 
+import vault as vaultlib
 from cubegate.l4sync import l4_allow_for
+from sandbox_runtime.backend import SandboxError
 from sandbox_runtime.manager import InvalidRequest
 
 
@@ -30,10 +32,16 @@ class DaemonHooks:
         v = self.d.vault
         if v is None:
             return {}
-        return v.placeholders_for_sandbox(tenant, sandbox_id)
+        try:
+            return v.placeholders_for_sandbox(tenant, sandbox_id)
+        except vaultlib.VaultError as e:   # sealed/corrupt: cannot check, so refuse (fail closed)
+            raise SandboxError(f"vault unavailable, cannot check for secrets: {e}") from None
 
     def real_secrets_in(self, tenant: str, sandbox_id: str, data: str) -> list[str]:
         v = self.d.vault
         if v is None or not data:
             return []
-        return v.find_leaks(tenant, sandbox_id, data)
+        try:
+            return v.find_leaks(tenant, sandbox_id, data)
+        except vaultlib.VaultError as e:
+            raise SandboxError(f"vault unavailable, cannot check for secrets: {e}") from None

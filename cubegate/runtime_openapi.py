@@ -42,7 +42,9 @@ def openapi_document() -> dict:
                     "cwd": {"type": "string"}}},
                 "ExecResult": {"type": "object", "properties": {
                     "exit_code": {"type": "integer"}, "timed_out": {"type": "boolean"},
-                    "duration_s": {"type": "number"}, "stdout": {"type": "string"}, "stderr": {"type": "string"},
+                    "duration_s": {"type": "number"},
+                    "stdout": {"type": ["string", "null"], "description": "null unless valid UTF-8 (see stdout_b64)"},
+                    "stderr": {"type": ["string", "null"], "description": "null unless valid UTF-8"},
                     "stdout_b64": {"type": "string"}, "stderr_b64": {"type": "string"}}},
                 "Init": {"type": "object", "properties": {"env": _STR_MAP, "files": _STR_MAP, "secret_env": _STR_MAP}},
             },

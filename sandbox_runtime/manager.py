@@ -17,6 +17,7 @@ import re
 import threading
 import time
 from collections import Counter as _Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Protocol
 
 from .backend import Backend, ExecResult, Handle, Limits, NotSupported, SandboxError, SandboxSpec
@@ -147,7 +148,8 @@ class SandboxManager:
         rec = SandboxRecord(req.sandbox_id, req.tenant, req.backend, dict(req.labels), req.limits)
         with self._admit_lock:   # admission and claiming the id are one step
             try:
-                admit(self.budget, self._reserved(), req.limits, self._meminfo().get("MemAvailable"))
+                admit(self.budget, self._reserved(), self._footprint(req.backend, req.limits),
+                      self._meminfo().get("MemAvailable"))
             except CapacityError:
                 self.metrics.creations.labels(req.backend, "capacity").inc()
                 raise
@@ -167,7 +169,8 @@ class SandboxManager:
             handle = backend.create(spec, net.netns, ip=net.ip, gateway_ip=self.switch.gateway_ip)
             rec.handle, rec.ip, rec.state = handle, net.ip, "running"
             rec.start_ms = round((time.monotonic() - t0) * 1000, 1)
-            self.state.put(rec)
+            if not self.state.finish_create(rec):
+                raise SandboxError(f"sandbox {req.sandbox_id!r} was removed while it was being created")
         except BaseException as e:
             self._undo(rec, backend, handle, attached, registered)
             self.metrics.creations.labels(req.backend, "error").inc()
@@ -202,6 +205,18 @@ class SandboxManager:
                                  "sandboxes get placeholders only (use secret_env)")
         return full
 
+    def _refuse_real_secrets(self, rec: SandboxRecord, text: str, data: bytes = b"") -> None:
+        """Every way in (env, files, stdin) is checked: a real key never enters a sandbox."""
+        if not text and not data:
+            return
+        blob = text + "\n" + data.decode("latin-1")
+        for ph in self.hooks.placeholders(rec.tenant, rec.id).values():
+            blob = blob.replace(ph, "")
+        leaked = self.hooks.real_secrets_in(rec.tenant, rec.id, blob)
+        if leaked:
+            raise InvalidRequest(f"request contains the real value of secret(s) {', '.join(sorted(leaked))}; "
+                                 "sandboxes get placeholders only")
+
     # ------------------------------------------------------------------ init (idempotent)
     def init(self, sandbox_id: str, *, env: dict | None = None, files: dict | None = None,
              secret_env: dict | None = None) -> dict:
@@ -227,6 +242,7 @@ class SandboxManager:
             raise InvalidRequest("timeout must be in (0, 3600] seconds")
         validate_env(env or {})
         rec = self._running(sandbox_id)
+        self._refuse_real_secrets(rec, "\n".join((env or {}).values()), stdin)
         try:
             res = self._backend(rec.backend).exec(rec.handle, argv, timeout=timeout, env=env, stdin=stdin, cwd=cwd)
         except SandboxError:
@@ -237,6 +253,7 @@ class SandboxManager:
 
     def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         rec = self._running(sandbox_id)
+        self._refuse_real_secrets(rec, "", data)
         self._backend(rec.backend).write_file(rec.handle, path, data, mode)
 
     def read_file(self, sandbox_id: str, path: str) -> bytes:
@@ -262,6 +279,9 @@ class SandboxManager:
     # ------------------------------------------------------------------ destroy
     def destroy(self, sandbox_id: str) -> None:
         rec = self.get_record(sandbox_id)
+        if rec.state == "creating":
+            # its create() is still running and undoes everything itself if it fails
+            raise Conflict(f"sandbox {sandbox_id!r} is being created; destroy it when the create returns")
         b = self.backends.get(rec.backend)
         if rec.handle is not None and b is not None:
             b.destroy(rec.handle)
@@ -305,22 +325,32 @@ class SandboxManager:
             raise SandboxError(f"backend {name} is not available: {why}")
         return b
 
+    def _footprint(self, backend: str, limits: Limits) -> Limits:
+        """What a sandbox really takes from the host: its limit + the backend's own overhead
+        (a microVM's qemu), so admission never overcommits."""
+        extra = int(getattr(self.backends.get(backend), "memory_overhead_mb", 0))
+        return dataclasses.replace(limits, memory_mb=limits.memory_mb + extra) if extra else limits
+
     def _reserved(self):
-        return reserved([r.limits for r in self.state.all() if r.state != "failed"])
+        return reserved([self._footprint(r.backend, r.limits) for r in self.state.all() if r.state != "failed"])
 
     # ------------------------------------------------------------------ restart
     def recover(self) -> dict:
         """After a daemon restart: keep sandboxes whose agent answers, mark the others failed
         (their resources are released; the record stays so the caller sees why)."""
         kept = failed = 0
-        for rec in self.state.all():
+        records = self.state.all()
+
+        def check(rec: SandboxRecord) -> bool:
             b = self.backends.get(rec.backend)
-            ok = False
-            if rec.state in ("running", "paused") and rec.handle is not None and b is not None:
-                try:
-                    ok = rec.state == "paused" or b.alive(rec.handle)
-                except Exception:  # noqa: BLE001
-                    ok = False
+            if rec.state not in ("running", "paused") or rec.handle is None or b is None:
+                return False
+            return rec.state == "paused" or self._alive_with_retries(b, rec.handle)
+
+        with ThreadPoolExecutor(16, thread_name_prefix="recover") as pool:   # thousands after a reboot
+            alive = list(pool.map(check, records))
+        for rec, ok in zip(records, alive):
+            b = self.backends.get(rec.backend)
             if ok:
                 kept += 1
                 continue
@@ -329,7 +359,30 @@ class SandboxManager:
             self._undo(rec, b, rec.handle if b else None, self.switch.sandbox(rec.id) is not None, True)
             rec.state, rec.error, rec.handle = "failed", reason, None
             self.state.put(rec)
-        return {"kept": kept, "failed": failed}
+        known = {r.id for r in records}
+        reaped = 0
+        for name, b in self.backends.items():
+            for h in getattr(b, "list", lambda: [])():
+                if h.sandbox_id not in known:      # left by a create the daemon did not live to record
+                    try:
+                        b.destroy(h)
+                        reaped += 1
+                    except Exception as e:  # noqa: BLE001
+                        log.error("runtime: cannot reap orphan %s sandbox %s: %s", name, h.sandbox_id, e)
+        return {"kept": kept, "failed": failed, "reaped": reaped}
+
+    @staticmethod
+    def _alive_with_retries(b: Backend, h: Handle, tries: int = 3) -> bool:
+        """A sandbox busy at its CPU quota may miss one ping: never tear down a live one for that."""
+        for i in range(tries):
+            try:
+                if b.alive(h):
+                    return True
+            except Exception:  # noqa: BLE001
+                pass
+            if i + 1 < tries:
+                time.sleep(1.0)
+        return False
 
     # ------------------------------------------------------------------ metrics
     def snapshot_for_metrics(self) -> dict:
@@ -353,7 +406,8 @@ class SandboxManager:
         except OSError:
             avail = None
         return {"counts": counts, "memory": memory, "budget": self.budget,
-                "reserved": reserved([r.limits for r in recs if r.state != "failed"]), "mem_available_mb": avail}
+                "reserved": reserved([self._footprint(r.backend, r.limits) for r in recs if r.state != "failed"]),
+                "mem_available_mb": avail}
 
 
 __all__ = ["SandboxManager", "CreateRequest", "RuntimeHooks", "NoHooks", "NotFound", "Conflict",

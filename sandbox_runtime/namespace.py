@@ -157,12 +157,24 @@ def _wait_gone(pids: set[int], timeout: float) -> None:
             time.sleep(0.005)
 
 
-def _tail(path: Path, n: int = 2000) -> str:
-    try:
-        data = path.read_bytes()[-n:]
-    except OSError:
-        return ""
-    return data.decode(errors="replace").strip()
+LAUNCH_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+
+
+def _drain_tail(pipe, buf: bytearray, keep: int = 2000) -> None:
+    """Read what the (non-blocking) pipe has, keep only the last `keep` bytes."""
+    while True:
+        try:
+            chunk = os.read(pipe.fileno(), 65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        if not chunk:
+            return
+        buf += chunk
+        del buf[:-keep]
+
+
+def _text(buf: bytearray) -> str:
+    return bytes(buf).decode(errors="replace").strip()
 
 
 class NamespaceBackend:
@@ -256,7 +268,6 @@ class NamespaceBackend:
 
     def _spawn(self, h: Handle, spec: SandboxSpec, cg: SandboxCgroups, gateway_ip: str) -> None:
         sid = h.sandbox_id
-        sdir = Path(h.data["state_dir"])
         fds: list[int] = []
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -284,11 +295,15 @@ class NamespaceBackend:
                 launch += ["--cgroup", f]
             launch += ["--", NSENTER, f"--net=/run/netns/{h.netns}", "--setuid", str(self.host_uid),
                        "--setgid", str(self.host_uid)]
-            log_path = sdir / "bwrap.log"
             t0 = time.monotonic()
-            with open(log_path, "wb") as log:
-                proc = subprocess.Popen(launch + argv, pass_fds=[listener.fileno(), *fds], stdin=subprocess.DEVNULL,
-                                        stdout=log, stderr=log, start_new_session=True, close_fds=True)
+            # stderr is a pipe we read only until the agent answers, then close: a host file
+            # here could be filled by the sandbox through /proc/1/fd/2 (bwrap's pid 1 keeps it).
+            # The environment is minimal: bwrap's pid 1 keeps the one it was started with,
+            # readable inside as /proc/1/environ, so the daemon's (vault key!) must not reach it.
+            proc = subprocess.Popen(launch + argv, pass_fds=[listener.fileno(), *fds], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(LAUNCH_ENV),
+                                    start_new_session=True, close_fds=True)
+            os.set_blocking(proc.stderr.fileno(), False)
         finally:
             listener.close()    # the agent holds the only listening copy now
             for fd in fds:
@@ -297,25 +312,31 @@ class NamespaceBackend:
         self._children[sid] = proc
         h.data["bwrap_pid"] = proc.pid
         h.data["bwrap_start"] = _start_time(proc.pid)
-        self._wait_ready(h, proc, log_path)
+        try:
+            self._wait_ready(h, proc)
+        finally:
+            proc.stderr.close()
         h.data["start_latency_s"] = round(time.monotonic() - t0, 4)
 
-    def _wait_ready(self, h: Handle, proc: subprocess.Popen, log_path: Path) -> None:
+    def _wait_ready(self, h: Handle, proc: subprocess.Popen) -> None:
         """Ping until the agent answers; fail fast (with bwrap's stderr) if bwrap exits."""
         deadline = time.monotonic() + self.start_timeout
         client = self._client(h)
         last = "no answer"
+        err = bytearray()
         while time.monotonic() < deadline:
+            _drain_tail(proc.stderr, err)
             if proc.poll() is not None:
+                _drain_tail(proc.stderr, err)
                 raise SandboxError(f"sandbox exited during start (code {proc.returncode}): "
-                                   f"{_tail(log_path) or 'no output'}")
+                                   f"{_text(err) or 'no output'}")
             try:
                 client.ping(timeout=min(0.25, max(0.01, deadline - time.monotonic())))
                 return
             except AgentError as e:
                 last = str(e)
         raise SandboxError(f"agent did not answer within {self.start_timeout:.0f}s ({last}); "
-                           f"bwrap: {_tail(log_path) or 'no output'}")
+                           f"bwrap: {_text(err) or 'no output'}")
 
     def _client(self, h: Handle) -> AgentClient:
         return AgentClient(unix_connector(h.data["socket"]))

@@ -83,6 +83,17 @@ class StateStore:
             except sqlite3.IntegrityError:
                 return False
 
+    def finish_create(self, r: SandboxRecord) -> bool:
+        """Store the created sandbox only if its row is still the one being created
+        (a destroy in between must not be undone by the create finishing)."""
+        h = json.dumps({"sandbox_id": r.handle.sandbox_id, "backend": r.handle.backend,
+                        "netns": r.handle.netns, "data": r.handle.data}) if r.handle else None
+        with self._lock:
+            cur = self._db.execute(
+                "UPDATE sandboxes SET state = ?, handle = ?, ip = ?, start_ms = ?, error = ? "
+                "WHERE id = ? AND state = 'creating'", (r.state, h, r.ip, r.start_ms, r.error, r.id))
+            return cur.rowcount == 1
+
     def delete(self, sandbox_id: str) -> None:
         with self._lock:
             self._db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))

@@ -18,6 +18,7 @@ from sandbox_runtime.backend import ExecResult, SandboxError
 
 MAX_FRAME = 16 << 20
 STDIN_CHUNK = 64 << 10
+MAX_STREAM = 16 << 20    # per stream kept by the host, whatever the agent sends (a guest may run its own)
 GRACE_S = 5.0            # every call's socket timeout = its own timeout + this
 
 
@@ -135,13 +136,17 @@ class AgentClient:
                 # stdin from a thread: a child that writes before reading must not deadlock us
                 sender = threading.Thread(target=self._send_stdin, args=(s, stdin), daemon=True)
                 sender.start()
+                deadline = t0 + timeout + GRACE_S
                 try:
                     while True:
+                        # per-recv socket timeouts alone would let a trickling agent hold us forever
+                        if time.monotonic() > deadline:
+                            raise AgentError(f"exec did not finish within {timeout + GRACE_S:.0f}s")
                         kind, payload = recv_frame(s)
                         if kind == b"O":
-                            out += payload
+                            _append_capped(out, payload)
                         elif kind == b"R":
-                            err += payload
+                            _append_capped(err, payload)
                         elif kind == b"X":
                             break
                         elif kind == b"F":
@@ -179,3 +184,13 @@ def unix_connector(path: str) -> Callable[[], socket.socket]:
             raise
         return s
     return connect
+
+
+def _append_capped(buf: bytearray, data: bytes) -> None:
+    """Bound what the daemon holds per exec stream; the rest is dropped and said so once."""
+    room = MAX_STREAM - len(buf)
+    if room >= len(data):
+        buf += data
+    elif room > -1:
+        buf += data[:max(0, room)]
+        buf += b"\n[cubegate: output truncated at 16 MiB]\n"

@@ -54,6 +54,7 @@ def workspace_path(rel: str) -> str:
 
 class MicrovmBackend:
     name = NAME
+    memory_overhead_mb = QEMU_OVERHEAD_MB   # admission counts it (manager._footprint)
 
     def __init__(self, state_dir: Path, assets_dir: Path = assets.DEFAULT_ASSETS_DIR,
                  ca_bundle: Path | None = None, *, agent_binary: Path = assets.DEFAULT_AGENT,

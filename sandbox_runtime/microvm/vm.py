@@ -87,7 +87,8 @@ def qemu_argv(cfg: VmConfig) -> list[str]:
             "-m", str(cfg.memory_mb), "-smp", str(cfg.cpus),
             "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
             "-kernel", cfg.kernel, "-initrd", cfg.initrd, "-append", kernel_cmdline(cfg),
-            "-serial", f"file:{cfg.console}",
+            # ring buffer, not a file: guest root writing to ttyS0 must not fill the host's disk
+            "-chardev", "ringbuf,id=console,size=65536", "-serial", "chardev:console",
             "-device", "virtio-serial-device",
             "-chardev", f"socket,id=agent,path={cfg.agent_sock},server=on,wait=off",
             "-device", "virtserialport,chardev=agent,name=cubegate.agent",
@@ -137,7 +138,9 @@ def start(cfg: VmConfig, *, agent: str, cgroup_procs: list[str], netns: str | No
     errlog = os.path.join(cfg.run_dir, "qemu.err")
     with open(errlog, "wb") as err:
         proc = subprocess.Popen(launch_argv(cfg, agent=agent, cgroup_procs=cgroup_procs, netns=netns),
-                                stdin=subprocess.DEVNULL, stdout=err, stderr=err, pass_fds=pass_fds)
+                                stdin=subprocess.DEVNULL, stdout=err, stderr=err, pass_fds=pass_fds,
+                                # never the daemon's environment (it may hold the vault key)
+                                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"})
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:

@@ -311,3 +311,13 @@ def test_serial_mode_backs_off_while_the_host_is_away(agent_binary, tmp_path):
     finally:
         proc.kill()
         proc.wait(timeout=5)
+
+
+def test_host_keeps_at_most_16_mib_per_stream_whatever_the_agent_sends():
+    """A microVM guest is root and may replace our agent: the host bounds what it holds."""
+    from sandbox_runtime.agent.client import MAX_STREAM, _append_capped
+    buf = bytearray()
+    for _ in range(40):                       # 40 x 1 MiB frames from a rogue agent
+        _append_capped(buf, b"x" * (1 << 20))
+    assert len(buf) <= MAX_STREAM + 64 and buf.endswith(b"[cubegate: output truncated at 16 MiB]\n")
+    assert buf.count(b"truncated") == 1

@@ -6,7 +6,9 @@ One daemon for the module; sandboxes are created through `cubegate sandbox ...`
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -34,7 +36,13 @@ rules:
 REPO = Path(__file__).resolve().parents[2]
 
 
+CANARY = "cubegate-daemon-env-canary-7c1e"
+
+
 def _vault(gw) -> None:
+    # A value only the daemon's environment holds (like CUBEGATE_VAULT_KEY would): sandboxes
+    # must not be able to read it anywhere (their processes' /proc/*/environ included).
+    os.environ["CUBEGATE_TEST_CANARY"] = CANARY
     gw.cli("vault", "init")
     gw.cli("vault", "secret", "put", "acme", "openai", input=SECRET + "\n")
     gw.cli("vault", "binding", "add", "--id", "b-echo", "--tenant", "acme", "--secret", "openai",
@@ -53,7 +61,10 @@ def rt(lab, tmp_path_factory):
         ca = gw.dir / "sandbox-ca.pem"
         ca.write_text(Path(lab.ca.bundle_path).read_text() + gw.ca_cert.read_text())
         gw.sandbox_ca = ca
-        yield gw, sw
+        try:
+            yield gw, sw
+        finally:
+            os.environ.pop("CUBEGATE_TEST_CANARY", None)
 
 
 def cli(lab, gw, *args: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
@@ -96,6 +107,12 @@ def test_create_exec_and_exit_codes(rt, lab):
         assert r.stdout == "500\n" and r.returncode != 0, r
         r = sexec(lab, gw, "sb-one", "cat", "/workspace/ca.pem", check=True)
         assert "BEGIN CERTIFICATE" in r.stdout
+        # Nothing of the daemon's environment is readable in the sandbox, not even in the
+        # environ of bwrap's own pid 1; and pid 1's stderr is no host file to fill.
+        r = sexec(lab, gw, "sb-one", "sh", "-c", "cat /proc/[0-9]*/environ | tr '\\0' '\\n'")
+        assert CANARY not in r.stdout and "PATH=" in r.stdout, r
+        r = sexec(lab, gw, "sb-one", "sh", "-c", "echo fill >> /proc/1/fd/2")
+        assert r.returncode != 0, r
         ls = json.loads(cli(lab, gw, "ls", "--json").stdout)
         assert [(s["id"], s["state"]) for s in ls] == [("sb-one", "running")]
         got = json.loads(cli(lab, gw, "get", "sb-one").stdout)
@@ -139,6 +156,17 @@ def test_traffic_goes_through_the_gateway_with_the_tenants_policy_and_credential
 
 def test_real_secret_in_env_is_refused(rt, lab):
     gw, _ = rt
+    create(lab, gw, "sb-ok")
+    try:   # every way in is checked: exec env, exec stdin, file upload
+        r = cli(lab, gw, "exec", "sb-ok", "--env", f"K={SECRET}", "--", "true", check=False)
+        assert r.returncode != 0 and "real value of secret(s) openai" in r.stderr
+        r = cli(lab, gw, "exec", "sb-ok", "--stdin", "--", "cat", input=f"x{SECRET}y", check=False)
+        assert r.returncode != 0 and "real value of secret(s) openai" in r.stderr
+        r = api(lab, gw, "PUT", "/sandboxes/sb-ok/files?path=/workspace/k", content=SECRET.encode())
+        assert r.status_code == 400 and SECRET not in r.text
+        assert api(lab, gw, "PUT", "/sandboxes/sb-ok/files?path=/workspace/k", content=b"fine").status_code == 204
+    finally:
+        cli(lab, gw, "rm", "sb-ok", check=False)
     r = cli(lab, gw, "create", "sb-leak", "--tenant", "acme", "--env", f"KEY={SECRET}", check=False)
     assert r.returncode != 0 and "real value of secret(s) openai" in r.stderr
     assert SECRET not in r.stderr and SECRET not in gw.log()
@@ -213,7 +241,26 @@ def test_sandbox_survives_a_daemon_restart(rt, lab):
 def test_microvm_sandbox_through_the_daemon(rt, lab):
     """Same API, strong-isolation backend: a QEMU microVM started from the shared template."""
     gw, sw = rt
-    sb = create(lab, gw, "vm-api", "--backend", "microvm")
+    ca_b64 = __import__("base64").b64encode(gw.sandbox_ca.read_bytes()).decode()
+    result = {}
+    creator = threading.Thread(target=lambda: result.update(r=api(
+        lab, gw, "POST", "/sandboxes", json={"id": "vm-api", "tenant": "acme", "backend": "microvm",
+                                             "files": {"ca.pem": ca_b64}})))
+    creator.start()
+    try:
+        # While it is being created, a destroy is refused (the create undoes itself on failure);
+        # it must not leave a "running" record without network or identity behind.
+        for _ in range(200):
+            r = api(lab, gw, "GET", "/sandboxes/vm-api")
+            if r.status_code == 200:
+                break
+            time.sleep(0.01)
+        if r.json()["state"] == "creating":
+            assert api(lab, gw, "DELETE", "/sandboxes/vm-api").status_code == 409
+    finally:
+        creator.join(120)
+    assert result["r"].status_code == 201, result["r"].text
+    sb = result["r"].json()
     try:
         assert sb["backend"] == "microvm" and sb["state"] == "running"
         r = sexec(lab, gw, "vm-api", "sh", "-c", "cat /proc/version; ip -4 addr show eth0", check=True)
