@@ -10,8 +10,9 @@ Process chain of one sandbox (all execs, one pid until bwrap forks):
 Choices:
 - The launcher joins the cgroups *before* exec, so nothing of the sandbox ever runs
   outside its limits (moving the pid after spawn leaves a window where bwrap forks).
-- bwrap runs as an unprivileged host uid (default 65534): uid 1000 inside maps to it,
-  so even a mount-namespace escape is not host root.
+- bwrap runs as an unprivileged host uid of its own (uids.sandbox_uid: from the
+  sandbox's address, unique among live sandboxes): uid 1000 inside maps to it, so even
+  a mount-namespace escape is not host root, and sandboxes share no per-user limits.
 - The agent's listening socket is created here on the host and inherited by the agent
   (fd 3): no host directory is visible inside the sandbox, and the sandbox cannot swap
   the socket path for another sandbox's.
@@ -38,6 +39,7 @@ from sandbox_runtime.agent.client import AgentClient, AgentError, unix_connector
 from sandbox_runtime.backend import ExecResult, Handle, NotSupported, SandboxError, SandboxSpec
 from sandbox_runtime.build_agent import BINARY as AGENT_BINARY
 from sandbox_runtime.cgroups import SandboxCgroups, detect
+from sandbox_runtime.uids import sandbox_uid
 
 BWRAP = "/usr/bin/bwrap"
 NSENTER = shutil.which("nsenter") or "/usr/bin/nsenter"
@@ -180,11 +182,11 @@ def _text(buf: bytearray) -> str:
 class NamespaceBackend:
     name = "namespace"
 
-    def __init__(self, state_dir: Path, ca_bundle: Path | None = None, *, host_uid: int = 65534,
+    def __init__(self, state_dir: Path, ca_bundle: Path | None = None, *, host_uid: int | None = None,
                  agent_binary: Path = AGENT_BINARY, start_timeout: float = START_TIMEOUT_S):
         self.state_dir = Path(state_dir)
         self.ca_bundle = Path(ca_bundle) if ca_bundle else None
-        self.host_uid = host_uid
+        self.host_uid = host_uid    # None: one uid per sandbox (uids.sandbox_uid)
         self.agent_binary = Path(agent_binary)
         self.start_timeout = start_timeout
         self._children: dict[str, subprocess.Popen] = {}   # reaped on destroy (zombies otherwise)
@@ -227,7 +229,8 @@ class NamespaceBackend:
         except FileExistsError:
             raise SandboxError(f"sandbox {sid} already exists") from None
         h = Handle(sandbox_id=sid, backend=self.name, netns=netns,
-                   data={"state_dir": str(sdir), "socket": str(sdir / "agent.sock")})
+                   data={"state_dir": str(sdir), "socket": str(sdir / "agent.sock"),
+                         "host_uid": self.host_uid if self.host_uid is not None else sandbox_uid(ip)})
         cg = None
         try:
             cg = SandboxCgroups.create(sid, spec.limits)
@@ -293,8 +296,8 @@ class NamespaceBackend:
             launch = [str(self.agent_binary), "--launch"]
             for f in cg.procs_files():
                 launch += ["--cgroup", f]
-            launch += ["--", NSENTER, f"--net=/run/netns/{h.netns}", "--setuid", str(self.host_uid),
-                       "--setgid", str(self.host_uid)]
+            uid = h.data["host_uid"]
+            launch += ["--", NSENTER, f"--net=/run/netns/{h.netns}", "--setuid", str(uid), "--setgid", str(uid)]
             t0 = time.monotonic()
             # stderr is a pipe we read only until the agent answers, then close: a host file
             # here could be filled by the sandbox through /proc/1/fd/2 (bwrap's pid 1 keeps it).

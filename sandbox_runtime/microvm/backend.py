@@ -7,7 +7,6 @@ The template was taken before the sandbox existed, so nothing sandbox-specific i
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -17,6 +16,7 @@ from contextlib import suppress
 from pathlib import Path
 
 from sandbox_runtime import cgroups
+from sandbox_runtime.uids import sandbox_uid
 from sandbox_runtime.backend import ExecResult, Handle, Limits, SandboxError, SandboxSpec
 
 from . import assets, netplumb, template, vm
@@ -29,13 +29,6 @@ QEMU_OVERHEAD_MB = 192      # qemu's own memory on top of guest RAM, inside the 
 QEMU_PIDS = 128             # qemu threads; limits.pids cannot be enforced inside the guest
 RESTORE_TIMEOUT = 30.0
 _ID = re.compile(r"[a-z0-9-]{1,40}")
-UID_BASE = 0x40000000        # qemu of each sandbox runs as its own uid: UID_BASE + 24 bits of hash
-
-
-def vm_uid(sandbox_id: str) -> int:
-    """No /etc/passwd entry needed; distinct per sandbox (a guest that escapes into qemu cannot
-    signal another sandbox's qemu). Collisions (24 bits) only weaken that, not the limits."""
-    return UID_BASE + int(hashlib.sha256(sandbox_id.encode()).hexdigest()[:6], 16)
 
 
 def base_env(sandbox_id: str) -> dict[str, str]:
@@ -132,7 +125,7 @@ class MicrovmBackend:
         except FileExistsError:
             raise SandboxError(f"sandbox {sid} state dir already exists") from None
         try:
-            uid = vm_uid(sid)
+            uid = sandbox_uid(ip)
             mac = netplumb.setup(netns, uid)
             h.data["mac"] = mac
             lim = spec.limits

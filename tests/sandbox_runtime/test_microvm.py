@@ -289,7 +289,7 @@ def test_destroy_leaves_nothing_behind(microvm, vmlab):
     import subprocess
 
     from sandbox_runtime.microvm import netplumb, vm
-    from sandbox_runtime.microvm.backend import vm_uid
+    from sandbox_runtime.uids import sandbox_uid
 
     _, sw, _ = vmlab
     net = sw.attach_sandbox("sb-vm2")
@@ -301,7 +301,7 @@ def test_destroy_leaves_nothing_behind(microvm, vmlab):
         # qemu dropped root: its own uid, seccomp on (a guest escape lands unprivileged)
         status = Path(f"/proc/{pid}/status").read_text()
         uid_line = next(l for l in status.splitlines() if l.startswith("Uid:")).split()[1:]
-        assert set(uid_line) == {str(vm_uid("sb-vm2"))}
+        assert set(uid_line) == {str(sandbox_uid(net.ip))}
         assert next(l for l in status.splitlines() if l.startswith("Seccomp:")).split()[1] == "2"
         cgs = list(h.data["cgroups"]["paths"].values())
         assert vm.pid_alive(pid) and all(os.path.isdir(p) for p in cgs)

@@ -226,7 +226,8 @@ def test_cannot_see_host_files_or_processes(backend, bare_netns, tmp_path):
             # the host's view of the same sandbox: its tasks run as the unprivileged host uid
             bwrap = h.data["bwrap_pid"]
             status = Path(f"/proc/{bwrap}/status").read_text()
-            assert "Uid:\t65534" in status
+            uid = h.data["host_uid"]
+            assert uid >= 0x40000000 and f"Uid:\t{uid}\t{uid}\t{uid}" in status
     finally:
         host_proc.kill()
         host_proc.wait()
