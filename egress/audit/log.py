@@ -11,6 +11,7 @@ the flow (fail closed).
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
 import threading
@@ -187,47 +188,49 @@ class AuditLog:
         self._size = size
 
     def _cut_torn_tail(self, fd: int, size: int) -> int:
-        # A crash mid-write leaves a line without "\n"; never append after it.
+        # A crash mid-write leaves a line without "\n"; never append after it. Writers hold
+        # an exclusive flock for each append, so under the lock a torn tail is a crash
+        # leftover, never the record a still-draining gateway (rolling restart) is writing.
         if size == 0:
             return 0
-        # During a rolling restart the old gateway may still be appending: a tail read
-        # mid-write looks torn. Cut only a tail that stays unchanged for a moment.
-        for _ in range(4):
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            size = os.fstat(fd).st_size
             with open(self.path, "rb") as f:
                 if os.fstat(f.fileno()).st_ino != os.fstat(fd).st_ino:
                     return size
                 end = last_line_end(f)
-            if end == size:
-                return size
-            time.sleep(0.05)
-            now = os.fstat(fd).st_size
-            if now == size:
+            if end != size:
                 os.ftruncate(fd, end)
-                return end
-            size = now
-        return size   # still moving: someone is writing; leave it (readers skip torn lines)
+            return end
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
 
     def _write(self, line: bytes) -> None:
         assert self._fd is not None
+        # One writer at a time per file, across processes (old + new gateway in a restart).
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
-            n = os.write(self._fd, line)
-        except OSError as exc:
-            raise _os_error("append to", self.path, exc) from None
-        if n != len(line):
-            # Short write (typically the disk just filled): remove the fragment
-            # so the next record does not glue onto it.
+            before = os.fstat(self._fd).st_size
             try:
-                # only our own fragment: never cut what another writer appended meanwhile
-                if os.fstat(self._fd).st_size == self._size + n:
-                    os.ftruncate(self._fd, self._size)
-            except OSError:
-                pass  # readers skip it; _open cuts it next time
-            raise AuditWriteError(
-                f"audit log: cannot append to {self.path}: short write "
-                f"({n} of {len(line)} bytes), probably {os.strerror(errno.ENOSPC)}",
-                self.path,
-                errno.ENOSPC,
-            )
+                n = os.write(self._fd, line)
+            except OSError as exc:
+                raise _os_error("append to", self.path, exc) from None
+            if n != len(line):
+                # Short write (typically the disk just filled): remove our fragment (we hold
+                # the lock: nobody appended after it) so the next record does not glue onto it.
+                try:
+                    os.ftruncate(self._fd, before)
+                except OSError:
+                    pass  # readers skip it; _open cuts it next time
+                raise AuditWriteError(
+                    f"audit log: cannot append to {self.path}: short write "
+                    f"({n} of {len(line)} bytes), probably {os.strerror(errno.ENOSPC)}",
+                    self.path,
+                    errno.ENOSPC,
+                )
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
         self._size += n
 
     def _fsync(self) -> None:
