@@ -86,7 +86,8 @@ async def start_for(daemon) -> RuntimeService | None:
         budget=default_budget(rt.memory_mb, rt.cpus, rt.max_sandboxes, rt.host_reserve_mb),
         metrics=RuntimeMetrics(daemon.metrics.registry), hooks=DaemonHooks(daemon))
     result = await asyncio.to_thread(manager.recover)
-    log.info("runtime: %d sandbox(es) kept, %d failed after restart", result["kept"], result["failed"])
+    log.info("runtime: %d sandbox(es) kept, %d failed after restart, %d orphan(s) reaped",
+             result["kept"], result["failed"], result["reaped"])
     api = serve(manager, host="127.0.0.1", port=rt.api_port, token_file=s.runtime_dir / "api.token",
                 vault_tokens=daemon.vault.tokens if daemon.vault is not None else None,
                 audit_hook=daemon._admin_audit, default_backend=rt.default_backend,

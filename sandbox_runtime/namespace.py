@@ -159,6 +159,12 @@ def _wait_gone(pids: set[int], timeout: float) -> None:
             time.sleep(0.005)
 
 
+def _save_handle(sdir: Path, h: Handle) -> None:
+    tmp = sdir / "handle.json.tmp"
+    tmp.write_text(json.dumps({"sandbox_id": h.sandbox_id, "netns": h.netns, "data": h.data}))
+    tmp.replace(sdir / "handle.json")
+
+
 LAUNCH_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 
 
@@ -235,12 +241,15 @@ class NamespaceBackend:
         try:
             cg = SandboxCgroups.create(sid, spec.limits)
             h.data["cgroups"] = cg.to_json()
+            # Written before anything runs (and again with the pids): if the daemon dies mid-create,
+            # list() still finds what to reap (Manager.recover destroys handles without a record).
+            _save_handle(sdir, h)
             self._spawn(h, spec, cg, gateway_ip)
+            _save_handle(sdir, h)
             client = self._client(h)
             client.set_env({**base_env(sid), **spec.env})
             for path, content in files.items():
                 client.write_file(path, content)
-            (sdir / "handle.json").write_text(json.dumps({"sandbox_id": sid, "netns": netns, "data": h.data}))
             return h
         except SandboxError:
             self.destroy(h)

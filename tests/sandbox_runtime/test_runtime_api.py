@@ -222,9 +222,16 @@ def test_api_needs_a_token_and_audits_admin_actions(rt, lab):
     assert rec["decision"] == "deny"
 
 
-def test_sandbox_survives_a_daemon_restart(rt, lab):
-    gw, _ = rt
+def test_sandbox_survives_a_daemon_restart_and_orphans_are_reaped(rt, lab):
+    from sandbox_runtime.backend import SandboxSpec
+    from sandbox_runtime.namespace import NamespaceBackend
+    gw, sw = rt
     create(lab, gw, "sb-keep")
+    # An orphan: a sandbox the daemon started but did not live to record (killed mid-create).
+    net = sw.attach_sandbox("sb-orphan")
+    ns_state = gw.state_dir / "runtime" / "namespace"
+    orphan = NamespaceBackend(ns_state).create(SandboxSpec("sb-orphan", "acme"), net.netns, ip=net.ip,
+                                               gateway_ip=HUB_IP)
     try:
         sexec(lab, gw, "sb-keep", "sh", "-c", "echo before > /workspace/mark", check=True)
         gw.stop()
@@ -233,8 +240,13 @@ def test_sandbox_survives_a_daemon_restart(rt, lab):
         assert r.stdout == "before\n"
         ls = json.loads(cli(lab, gw, "ls", "--json").stdout)
         assert [(s["id"], s["state"]) for s in ls] == [("sb-keep", "running")]
+        assert not (ns_state / "sb-orphan").exists()
+        assert not Path(f"/proc/{orphan.data['bwrap_pid']}/status").exists() or \
+            "State:\tZ" in Path(f"/proc/{orphan.data['bwrap_pid']}/status").read_text()
+        assert "1 orphan(s) reaped" in gw.log(), gw.log()[-2000:]
     finally:
         cli(lab, gw, "rm", "sb-keep", check=False)
+        sw.detach_sandbox("sb-orphan")
 
 
 @pytest.mark.slow
