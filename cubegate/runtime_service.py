@@ -93,7 +93,12 @@ async def start_for(daemon) -> RuntimeService | None:
                 audit_hook=daemon._admin_audit, default_backend=rt.default_backend,
                 default_limits=default_limits(rt))
     log.info("runtime: sandbox API on 127.0.0.1:%d, backends %s", api.port, ", ".join(backends))
-    return RuntimeService(manager, api, switch)
+    svc = RuntimeService(manager, api, switch)
+    default = backends.get(rt.default_backend)
+    # /readyz: with the runtime on, "ready" includes being able to start the default sandbox kind.
+    daemon.readiness.add("runtime", lambda: default.available() if default is not None
+                         else (False, f"default backend {rt.default_backend} not configured"))
+    return svc
 
 
 async def stop_for(svc: RuntimeService | None) -> None:

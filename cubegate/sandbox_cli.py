@@ -147,3 +147,24 @@ def init(ctx, sandbox_id, env, secret_env):
     out = _api(ctx).call("POST", f"/sandboxes/{sandbox_id}/init",
                          json={"env": _pairs(env, "--env"), "secret_env": _pairs(secret_env, "--secret-env")}).json()
     click.echo(f"{out['id']}: env {', '.join(out['env']) or '-'}")
+
+
+@sandbox_cli.command("cp")
+@click.argument("src")
+@click.argument("dst")
+@click.pass_context
+def cp(ctx, src, dst):
+    """Copy a file in or out: `cp ./local ID:/workspace/f` or `cp ID:/workspace/f ./local`."""
+    def remote(spec: str):
+        sid, sep, path = spec.partition(":")
+        return (sid, path) if sep and path.startswith("/") and "/" not in sid else None
+    api = _api(ctx)
+    if remote(dst) and not remote(src):
+        sid, path = remote(dst)
+        api.call("PUT", f"/sandboxes/{sid}/files", params={"path": path}, content=Path(src).read_bytes())
+    elif remote(src) and not remote(dst):
+        sid, path = remote(src)
+        Path(dst).write_bytes(api.call("GET", f"/sandboxes/{sid}/files", params={"path": path}).content)
+    else:
+        raise click.BadParameter("exactly one side must be SANDBOX_ID:/absolute/path")
+    click.echo(f"{src} -> {dst}")

@@ -115,6 +115,13 @@ def test_create_exec_and_exit_codes(rt, lab):
         assert r.returncode != 0, r
         ls = json.loads(cli(lab, gw, "ls", "--json").stdout)
         assert [(s["id"], s["state"]) for s in ls] == [("sb-one", "running")]
+        local = gw.dir / "cp-in.bin"
+        local.write_bytes(bytes(range(256)) * 10)
+        cli(lab, gw, "cp", str(local), "sb-one:/workspace/in.bin")
+        assert sexec(lab, gw, "sb-one", "sha256sum", "/workspace/in.bin", check=True).stdout.split()[0] == \
+            __import__("hashlib").sha256(local.read_bytes()).hexdigest()
+        cli(lab, gw, "cp", "sb-one:/workspace/in.bin", str(gw.dir / "cp-out.bin"))
+        assert (gw.dir / "cp-out.bin").read_bytes() == local.read_bytes()
         got = json.loads(cli(lab, gw, "get", "sb-one").stdout)
         assert got["usage"]["memory_bytes"] > 0 and got["usage"]["pids"] >= 1
     finally:
@@ -188,6 +195,8 @@ def test_admission_refuses_beyond_the_budget_at_once(rt, lab):
         assert 'cubegate_sandboxes_live{backend="namespace",state="running"} 2.0' in metrics
         assert 'cubegate_sandbox_memory_bytes{backend="namespace",sandbox="sb-cap1"}' in metrics
         assert "cubegate_sandbox_start_seconds_bucket" in metrics
+        status, body = gw.ops_status("/readyz")
+        assert status == 200 and '"runtime"' in body, body
     finally:
         cli(lab, gw, "rm", "sb-cap1", "sb-cap2", check=False)
 
