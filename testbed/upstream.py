@@ -40,6 +40,9 @@ IDLE_TIMEOUT = 30
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # headers and body are two writes: without TCP_NODELAY, Nagle + the client's delayed ACK
+    # add ~40 ms to every keep-alive response (it made bench_inject measure the upstream)
+    disable_nagle_algorithm = True
     server_version = "cubegate-testbed-upstream"
     timeout = IDLE_TIMEOUT
 
