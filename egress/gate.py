@@ -188,8 +188,11 @@ class PolicyGate:
         # close_connection only cancels the handler task; when that task is itself waiting
         # on this hook (e.g. after an await in tls_clienthello) the socket stays open and
         # the sandbox hangs until its own timeout. Reset it now (nothing buffered is lost).
-        if transport is not None and not transport.is_closing() and transport.get_write_buffer_size() == 0:
-            transport.abort()
+        if transport is not None and not transport.is_closing():
+            if transport.get_write_buffer_size() == 0:
+                transport.abort()
+            else:
+                transport.close()     # flush what is queued (e.g. a 403), then close
 
     # --------------------------------------------------------------- deadlines
     # mitmproxy 12 only has tcp_timeout, an inactivity timer that every byte resets:
