@@ -178,7 +178,9 @@ class SandboxCgroups:
             except OSError:
                 pass
         frozen = False
-        if self.version == "v1" and "freezer" in self.paths:
+        # v2 too (cgroup.freeze): without cgroup.kill (kernels < 5.14) a fork bomb would
+        # otherwise outrun the signal loop.
+        if (self.version == "v1" and "freezer" in self.paths) or (self.version == "v2" and "unified" in self.paths):
             try:
                 self.freeze(timeout=min(timeout, 2.0))
                 frozen = True

@@ -449,3 +449,40 @@ def test_sandboxes_on_the_switch_cannot_reach_each_other(nslab):
             b.destroy(h2)
     finally:
         sw.detach_sandbox(sid2)
+
+
+def test_cgroup_v2_kill_all_freezes_and_kills_a_fork_bomb():
+    """The v2 code path on this host's (controller-less) unified hierarchy: freeze + kill are
+    core cgroup v2 features, so kill_all can be exercised for real even where v1 is in use."""
+    import signal
+    import uuid as _uuid
+    from sandbox_runtime.cgroups import SandboxCgroups
+    unified = Path("/sys/fs/cgroup/unified")
+    if not (unified / "cgroup.procs").exists():
+        pytest.skip("no cgroup2 hierarchy mounted")
+    d = unified / f"cgtest-{_uuid.uuid4().hex[:8]}"
+    d.mkdir()
+    proc = None
+    try:
+        cg = SandboxCgroups.from_json({"version": "v2", "paths": {"unified": str(d)}})
+        # a shell that joins the cgroup, then forks without end (bounded by the test's kill)
+        proc = subprocess.Popen(["sh", "-c", f"echo $$ > {d}/cgroup.procs; "
+                                 "while :; do sleep 30 & done"], start_new_session=True)
+        deadline = time.monotonic() + 5
+        while len(cg.pids()) < 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(cg.pids()) >= 20
+        cg.kill_all(timeout=5.0)      # cgroup.kill where the kernel has it, else freeze + SIGKILL
+        assert not cg.pids()
+        proc.wait(5)
+        assert (d / "cgroup.freeze").read_text().strip() == "0"     # left thawed
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+        for _ in range(100):
+            try:
+                d.rmdir()
+                break
+            except OSError:
+                time.sleep(0.02)
