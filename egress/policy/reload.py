@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,18 +129,22 @@ class PolicyStore:
                 log.exception("policy change callback failed")
         return ReloadResult(True, None, new.digest, True)
 
-    def check_for_changes(self, *, settle: bool = False) -> ReloadResult | None:
+    def check_for_changes(self, *, settle: bool = False, quiet_seconds: float = 0.25) -> ReloadResult | None:
         """Reload if the files' stats changed since the last look; else None.
 
-        settle=True (the daemon's poller): reload only once the new stats were seen
-        on two looks in a row, so a file being written in pieces (`cat > f`, an
-        editor writing in place) is not loaded half-way; a half-written file can
-        be a valid, different policy.
+        settle=True (the daemon's poller): reload only once no file was modified for
+        `quiet_seconds` and the new stats were seen on two looks in a row, so a file
+        being written in pieces (`cat > f`, an editor writing in place, a writer that
+        stalls between its writes) is not loaded half-way; a half-written file can be
+        a valid, different policy. Atomic replacement (write + rename) is still the
+        way to publish a policy: it needs no waiting at all.
         """
         fp = self._fingerprint()
         if fp == self._stamp:
             self._pending = None
             return None
+        if settle and _newest_mtime_age(fp) < quiet_seconds:
+            return None           # still being written (or just was): look again next poll
         if settle and fp != self._pending:
             self._pending = fp
             return None
@@ -154,3 +159,9 @@ class PolicyStore:
                 self.check_for_changes()
             except Exception:  # keep watching; the old policy stays in force
                 log.exception("policy watch iteration failed")
+
+
+def _newest_mtime_age(fp: tuple) -> float:
+    """Seconds since the most recent modification among the fingerprinted files."""
+    mtimes = [m for (_, m, _, _) in fp if m is not None]
+    return (time.time_ns() - max(mtimes)) / 1e9 if mtimes else float("inf")
