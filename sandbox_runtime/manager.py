@@ -195,27 +195,24 @@ class SandboxManager:
     def _runtime_env(self, tenant, sandbox_id, env, secret_env, files) -> dict:
         placeholders = self.hooks.placeholders(tenant, sandbox_id)
         full = {**env, **placeholder_env(placeholders, secret_env)}
-        # A real key must never enter a sandbox: refuse env/files that carry one.
-        text = "\n".join([*full.values(), *(d.decode("latin-1") for d in files.values())])
-        for ph in placeholders.values():
-            text = text.replace(ph, "")
-        leaked = self.hooks.real_secrets_in(tenant, sandbox_id, text)
-        if leaked:
-            raise InvalidRequest(f"env/files contain the real value of secret(s) {', '.join(sorted(leaked))}; "
-                                 "sandboxes get placeholders only (use secret_env)")
+        self._refuse_real_secrets(tenant, sandbox_id, "\n".join(full.values()), b"\n".join(files.values()),
+                                  placeholders)
         return full
 
-    def _refuse_real_secrets(self, rec: SandboxRecord, text: str, data: bytes = b"") -> None:
+    def _refuse_real_secrets(self, tenant: str, sandbox_id: str, text: str, data: bytes = b"",
+                             placeholders: dict[str, str] | None = None) -> None:
         """Every way in (env, files, stdin) is checked: a real key never enters a sandbox."""
         if not text and not data:
             return
         blob = text + "\n" + data.decode("latin-1")
-        for ph in self.hooks.placeholders(rec.tenant, rec.id).values():
+        if placeholders is None:
+            placeholders = self.hooks.placeholders(tenant, sandbox_id)
+        for ph in placeholders.values():
             blob = blob.replace(ph, "")
-        leaked = self.hooks.real_secrets_in(rec.tenant, rec.id, blob)
+        leaked = self.hooks.real_secrets_in(tenant, sandbox_id, blob)
         if leaked:
             raise InvalidRequest(f"request contains the real value of secret(s) {', '.join(sorted(leaked))}; "
-                                 "sandboxes get placeholders only")
+                                 "sandboxes get placeholders only (use secret_env)")
 
     # ------------------------------------------------------------------ init (idempotent)
     def init(self, sandbox_id: str, *, env: dict | None = None, files: dict | None = None,
@@ -242,7 +239,7 @@ class SandboxManager:
             raise InvalidRequest("timeout must be in (0, 3600] seconds")
         validate_env(env or {})
         rec = self._running(sandbox_id)
-        self._refuse_real_secrets(rec, "\n".join((env or {}).values()), stdin)
+        self._refuse_real_secrets(rec.tenant, rec.id, "\n".join((env or {}).values()), stdin)
         try:
             res = self._backend(rec.backend).exec(rec.handle, argv, timeout=timeout, env=env, stdin=stdin, cwd=cwd)
         except SandboxError:
@@ -253,7 +250,7 @@ class SandboxManager:
 
     def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         rec = self._running(sandbox_id)
-        self._refuse_real_secrets(rec, "", data)
+        self._refuse_real_secrets(rec.tenant, rec.id, "", data)
         self._backend(rec.backend).write_file(rec.handle, path, data, mode)
 
     def read_file(self, sandbox_id: str, path: str) -> bytes:

@@ -47,6 +47,22 @@ def _kill9(gw: Gateway) -> None:
     gw.proc.wait(10)
 
 
+def _kill_mid_transfer(transfer, out, gw) -> tuple[int, int, float]:
+    """SIGKILL the gateway once the download is under way; (client rc, bytes got, s to fail)."""
+    try:
+        assert _wait_growing(out, 1_000_000), "transfer did not start"
+        t_kill = time.monotonic()
+        _kill9(gw)
+        rc = transfer.wait(20)
+        fail_s = time.monotonic() - t_kill
+    finally:
+        if transfer.poll() is None:
+            transfer.kill()
+            transfer.wait(5)
+        transfer.stderr.close()
+    return rc, out.stat().st_size, fail_s
+
+
 def _tear_audit_and_index(gw: Gateway) -> None:
     """What a crash can leave: a half-written last line, and a broken index file."""
     with open(gw.audit_dir / "audit-current.jsonl", "ab") as f:
@@ -101,18 +117,7 @@ def test_kill9_explicit_mode(egw, lab, tmp_path):
     argv = ["curl", "-sS", "--max-time", "30", "--limit-rate", RATE, "--cacert", str(lab.ca.bundle_path),
             "-x", egw.proxy_url("sb-k9"), "-o", str(out), f"https://api.allowed.test/bytes?n={TRANSFER}"]
     transfer = lab.spawn_gw(argv, lab_dns=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        assert _wait_growing(out, 1_000_000), "transfer did not start"
-        t_kill = time.monotonic()
-        _kill9(egw)
-        rc = transfer.wait(20)
-        fail_s = time.monotonic() - t_kill
-    finally:
-        if transfer.poll() is None:
-            transfer.kill()
-            transfer.wait(5)
-        transfer.stderr.close()
-    got = out.stat().st_size
+    rc, got, fail_s = _kill_mid_transfer(transfer, out, egw)
     assert rc != 0 and got < TRANSFER, (rc, got)
     # Dead gateway: the proxy port refuses, nothing gets out through it.
     r = egw.curl("http://api.allowed.test/while-dead", sandbox="sb-k9", timeout=3)
@@ -193,16 +198,7 @@ def test_kill9_transparent_mode(tgw, lab, tmp_path):
             "--cacert", str(lab.ca.bundle_path), *resolve, "-o", str(out),
             f"https://api.allowed.test/bytes?n={TRANSFER}"]
     transfer = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_NO_PROXY_ENV)
-    try:
-        assert _wait_growing(out, 1_000_000), "transfer did not start"
-        _kill9(gw)
-        rc = transfer.wait(20)
-    finally:
-        if transfer.poll() is None:
-            transfer.kill()
-            transfer.wait(5)
-        transfer.stderr.close()
-    got = out.stat().st_size
+    rc, got, _ = _kill_mid_transfer(transfer, out, gw)
     assert rc != 0 and got < TRANSFER, (rc, got)
     # No egress at all with the gateway dead: steered ports, other ports, our DNS, a foreign DNS.
     probes = {
