@@ -68,8 +68,9 @@ def drop_record(ev: dict) -> dict:
 
 class NetWatch:
     def __init__(self, switch, registry, audit, *, poll_seconds: float = POLL_SECONDS,
-                 max_events: int = MAX_EVENTS_PER_POLL, l4_for=None, l4_key=None):
+                 max_events: int = MAX_EVENTS_PER_POLL, l4_for=None, l4_key=None, owns_switch: bool = True):
         self.switch = switch
+        self.owns_switch = owns_switch  # False: the sandbox runtime's switch, closed by the runtime
         self.l4_for = l4_for            # sandbox_id -> [(cidr, port, proto)] from the policy in force
         self.l4_key = l4_key            # () -> policy digest, to resync only on change
         self._l4_synced: tuple | None = None
@@ -146,6 +147,8 @@ class NetWatch:
             self._registry.unregister(self.collector)
         except KeyError:
             pass
+        if not self.owns_switch:
+            return
         with self._lock:
             try:
                 self.switch.close()
@@ -170,9 +173,11 @@ async def start_for(daemon) -> NetWatch | None:
     if not s.proxy.transparent_port:
         return None
     state_dir = s.cubevs_state_dir
+    runtime = getattr(daemon, "_runtime", None)
     try:
-        # in a thread: pyroute2 runs its own event loop
-        switch = await asyncio.to_thread(_reopen, state_dir)
+        # One Switch per daemon: the runtime's when it runs (it attaches the sandboxes);
+        # else reopen (in a thread: pyroute2 runs its own event loop).
+        switch = runtime.switch if runtime is not None else await asyncio.to_thread(_reopen, state_dir)
     except Exception as e:  # noqa: BLE001 - the gateway runs without switch observability
         log.warning("netwatch: cannot reopen cubevs switch in %s: %s", state_dir, e)
         return None
@@ -186,7 +191,7 @@ async def start_for(daemon) -> NetWatch | None:
         return l4_allow_for(daemon.policies.current, sandbox_id, ident.labels if ident else {})
 
     nw = NetWatch(switch, daemon.metrics.registry, daemon.audit, l4_for=l4_for,
-                  l4_key=lambda: daemon.policies.current.digest)
+                  l4_key=lambda: daemon.policies.current.digest, owns_switch=runtime is None)
     nw.start()
     log.info("netwatch: switch %s backend, counters on /metrics, drop events to audit", switch.backend)
     return nw
