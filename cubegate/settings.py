@@ -31,6 +31,11 @@ class ProxySettings:
     drain_seconds: float = 10.0              # SIGTERM: in-flight flows may finish this long
     max_header_bytes: int = 32 * 1024
     max_header_count: int = 100
+    max_connections_per_sandbox: int = 256   # open client connections one sandbox may hold (beyond: refused, audited)
+    max_body_bytes: int = 64 * 1024 * 1024   # decoded size of a body the gateway must inspect (beyond: refused)
+    inspect_buffer_bytes: int = 1024 * 1024  # inspected bodies up to this (known length) are buffered whole,
+                                             # so a refusal is a readable 403/502; larger ones are inspected as a stream
+    max_buffered_bytes_per_sandbox: int = 16 * 1024 * 1024  # all of one sandbox's buffered bodies; beyond: streamed
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,8 @@ class CubevsSettings:
 class DnsSettings:
     listen_host: str | None = None           # sandbox DNS resolver; None = disabled
     port: int = 53
+    audit_interval_seconds: float = 60.0     # allowed answers: one aggregated record per sandbox+name per interval
+    max_new_names_per_minute: int = 120      # distinct new names one sandbox may resolve under one wildcard
 
 
 @dataclass(frozen=True)
