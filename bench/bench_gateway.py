@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -51,7 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench import hey  # noqa: E402
+from bench import hey, pyspy  # noqa: E402
 from bench.nginx_upstream import NginxUpstream  # noqa: E402
 from bench.proctree import tree_cpu_seconds  # noqa: E402
 from bench.proxies import (DENIED_HOST, INJECTED_AUTH, MITM_HOST, PASS_HOST, PLAIN_HOST,  # noqa: E402
@@ -136,7 +137,7 @@ def wait_quiet(pid: int) -> float:
 
 
 def measure(lab, upstream: NginxUpstream, proxy: Proxy, sc: Scenario, requests: int,
-            concurrency: int) -> Row:
+            concurrency: int, profile_to: Path | None = None) -> Row:
     row = Row(sc.key, proxy.name, str(proxy.workers) if proxy.workers else "")
     why = probe(lab, proxy, sc)
     if why:
@@ -146,13 +147,17 @@ def measure(lab, upstream: NginxUpstream, proxy: Proxy, sc: Scenario, requests: 
     argv = hey.argv(sc.url, requests=requests, concurrency=concurrency, proxy=proxy.url,
                     keepalive=sc.keepalive, csv=not sc.refused)
     accepted0, offset0 = upstream.accepted(), upstream.log_offset()
-    cpu0 = tree_cpu_seconds(proxy.pid)
-    try:
-        out = lab.run_gw(argv, lab_dns=False, timeout=30 + requests * 0.1)
-    except subprocess.TimeoutExpired:
-        row.status, row.note = "failed", "hey timed out"
-        return row
-    cpu1 = wait_quiet(proxy.pid)
+    sampler = pyspy.Recorder(proxy.pid, profile_to) if profile_to else nullcontext()
+    with sampler:
+        cpu0 = tree_cpu_seconds(proxy.pid)
+        try:
+            out = lab.run_gw(argv, lab_dns=False, timeout=30 + requests * 0.1)
+        except subprocess.TimeoutExpired:
+            row.status, row.note = "failed", "hey timed out"
+            return row
+        cpu1 = wait_quiet(proxy.pid)
+    if profile_to:
+        row.note = "profiled with py-spy (it shares the 2 cores)"
     conns = upstream.accepted() - accepted0
     lines = upstream.log_lines(offset0)
     if out.returncode != 0:
@@ -171,7 +176,7 @@ def measure(lab, upstream: NginxUpstream, proxy: Proxy, sc: Scenario, requests: 
     row.injected = sum(1 for l in lines if len(l) > 2 and l[2] == "injected")
     problems = check(row, sc, proxy)
     if problems:
-        row.status, row.note = "failed", "; ".join(problems)
+        row.status, row.note = "failed", "; ".join([*problems, row.note] if row.note else problems)
     return row
 
 
@@ -226,9 +231,37 @@ def build_proxies(lab, workdir: Path, names: list[str], workers: list[int]) -> l
     return out
 
 
+def profile_path(args, proxy: str, workers: object, scenario: str) -> Path | None:
+    """Where py-spy's samples of one cubegate row go (--profile), else None."""
+    if not args.profile or proxy != "cubegate":
+        return None
+    return args.out.parent / f"{args.out.name}-profile-{scenario}-w{workers}.raw"
+
+
+def profiles(args, rows: list[Row]) -> dict[str, dict]:
+    """py-spy summaries of the profiled rows, keyed "scenario workers=N"."""
+    out = {}
+    for r in rows:
+        path = profile_path(args, r.proxy, r.workers, r.scenario)
+        if path and path.exists():
+            out[f"{r.scenario} workers={r.workers}"] = {"raw": str(path), **pyspy.summarise(path.read_text())}
+    return out
+
+
+def profile_markdown(profs: dict[str, dict]) -> str:
+    lines = []
+    for key, p in profs.items():
+        lines += ["", f"py-spy, cubegate {key}: {p['samples']} samples ({p['raw']})", "",
+                  "- leaf frames by owner: " + ", ".join(f"{k} {v}%" for k, v in p["self_by_owner"][:8]),
+                  "- inclusive: " + ", ".join(f"{k} {v}%" for k, v in p["inclusive"]),
+                  "- top leaf functions: " + ", ".join(f"{k} {v}%" for k, v in p["self_by_function"][:8])]
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
 def run(args) -> tuple[list[Row], dict]:
     scenarios = [BY_KEY[k] for k in args.scenarios]
     rows: list[Row] = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="cgbench-"))
     os.chmod(workdir, 0o755)  # squid and tinyproxy drop privileges and write their logs below it
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_before": os.getloadavg(),
@@ -251,7 +284,8 @@ def run(args) -> tuple[list[Row], dict]:
                     print(f"{proxy.name}{' workers=' + workers if workers else ''} up in "
                           f"{time.monotonic() - t0:.1f} s", flush=True)
                     for sc in applicable:
-                        row = measure(lab, upstream, proxy, sc, args.requests, args.concurrency)
+                        row = measure(lab, upstream, proxy, sc, args.requests, args.concurrency,
+                                      profile_path(args, proxy.name, proxy.workers, sc.key))
                         rows.append(row)
                         print("  " + progress_line(row), flush=True)
                 except Exception as e:  # one proxy that will not start must not hide the others
@@ -355,27 +389,37 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated subset of " + ",".join(PROXY_ORDER))
     ap.add_argument("--scenarios", type=lambda s: s.split(","), default=[s.key for s in SCENARIOS],
                     help="comma-separated subset of " + ",".join(BY_KEY))
+    ap.add_argument("--profile", action="store_true",
+                    help="sample cubegate with py-spy during its rows (pip install py-spy; skews the CPU figures)")
     ap.add_argument("--out", type=Path, default=REPO / ".cache" / "bench" / "bench_gateway",
                     help="writes OUT.md and OUT.json")
     args = ap.parse_args(argv)
     bad = [p for p in args.proxies if p not in PROXY_ORDER] + [s for s in args.scenarios if s not in BY_KEY]
+    if args.profile and not pyspy.available():
+        ap.error("--profile needs py-spy in the venv (pip install py-spy)")
     if bad or args.requests < args.concurrency or args.concurrency < 1 or min(args.workers) < 1:
         ap.error(f"bad arguments: {bad or 'requests must be >= concurrency >= 1, workers >= 1'}")
     signal.signal(signal.SIGTERM, _interrupt)
 
     t0 = time.monotonic()
-    rows, meta = run(args)
+    try:
+        rows, meta = run(args)
+    except KeyboardInterrupt as e:  # the lab, the proxies and the workdir are gone by now
+        print(f"interrupted ({e or 'Ctrl-C'}): everything started was stopped", file=sys.stderr)
+        return 130
     meta.update(command=" ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
                 requests=args.requests, concurrency=args.concurrency, workers=args.workers,
                 seconds=round(time.monotonic() - t0, 1), host=platform.node(),
                 hey=hey.argv("URL", requests=args.requests, concurrency=args.concurrency, proxy="PROXY",
                               keepalive=True, csv=True))
-    text = markdown(rows, meta, args)
+    profs = profiles(args, rows)
+    text = markdown(rows, meta, args) + profile_markdown(profs)
     print("\n" + text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(text)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows],
-                                                          "targets": targets(rows, args.concurrency)}, indent=1))
+                                                          "targets": targets(rows, args.concurrency),
+                                                          "profiles": profs}, indent=1))
     print(f"wrote {args.out.with_suffix('.md')} and {args.out.with_suffix('.json')} "
           f"({meta['seconds']:.0f} s)")
     return 1 if any(r.status == "failed" for r in rows) else 0
