@@ -5,6 +5,7 @@ Run (root; builds a lab, removes it and every process at the end, also on failur
     .venv/bin/python bench/bench_gateway.py [--requests 1000] [--concurrency 10] [--workers 1,2]
         [--proxies squid,tinyproxy,mitmdump,cubegate] [--scenarios passthrough-new,...]
         [--out .cache/bench/bench_gateway]       # writes <out>.md and <out>.json
+        [--profile]                              # py-spy samples of cubegate's rows (pip install py-spy)
 
 All in one lab and one run: `hey` (apt, Go) in the gw namespace is the client,
 nginx (apt nginx-light) in the "internet" namespace is the upstream (HTTP :80,
