@@ -47,10 +47,14 @@ def template_of(regex: str) -> str:
 
 def make_app(routes: Routes, *, base: type[JsonHandler], kwargs: dict[str, Any],
              params: dict[str, PathParam] | None = None, title: str, description: str | None = None,
-             log_name: str, log_level: int = logging.INFO, **settings: Any) -> tornado.web.Application:
-    """The Application serving `routes` (handlers get `kwargs` in initialize); unknown paths: JSON 404."""
+             log_name: str, log_level: int = logging.INFO, public_not_found: bool = False,
+             **settings: Any) -> tornado.web.Application:
+    """The Application serving `routes` (handlers get `kwargs` in initialize).
+
+    Unknown paths answer a JSON 404, after the app's auth unless public_not_found."""
     params = params or {}
-    not_found = type(f"{base.__name__}NotFound", (NotFoundHandler, base), {})
+    attrs = {"public": True} if public_not_found else {}
+    not_found = type(f"{base.__name__}NotFound", (NotFoundHandler, base), attrs)
     rules = [(rule_regex(p, params), h, kwargs) for p, h in routes]
     logger = logging.getLogger(log_name)
 
