@@ -23,5 +23,5 @@ from .server import Server, check_bind_address, serve
 from .validation import parse_body, parse_query
 
 __all__ = ["ApiError", "AuditHook", "Body", "ErrorBody", "ErrorMap", "JsonHandler", "Operation", "PathParam",
-           "Reply", "Server", "check_bind_address", "document", "make_app", "openapi_document", "openapi_handler", "operation",
-           "operation_of", "parse_body", "parse_query", "rule_regex", "serve", "template_of"]
+           "Reply", "Server", "check_bind_address", "document", "make_app", "openapi_document", "openapi_handler",
+           "operation", "operation_of", "parse_body", "parse_query", "rule_regex", "serve", "template_of"]

@@ -76,7 +76,8 @@ def _operation(path: str, method: str, handler: Any, op: Operation, params: dict
     if parameters:
         doc["parameters"] = parameters
     if op.body is not None:
-        doc["requestBody"] = {"required": True, "content": {"application/json": {"schema": refs[(op.body, "validation")]}}}
+        schema = refs[(op.body, "validation")]
+        doc["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
     elif op.raw_body is not None:
         doc["requestBody"] = {"required": True, "content": {op.raw_body: {}}}
     return doc
