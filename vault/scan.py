@@ -23,7 +23,7 @@ from typing import Iterable
 import ahocorasick_rs as _ac
 
 from .forms import (ESCAPE_ROUNDS, MAX_ESCAPE_LEN, MIN_FORM_LEN, REDACTED, ROUND_EXPANSION,
-                    decode_round, normalize)
+                    decode_round)
 
 MAX_NEEDLE_LEN = 256      # longer forms are matched by their first 256 bytes (bounds the window)
 _SLICE = 256 * 1024       # work on at most this much at once: bounds the match lists
@@ -55,7 +55,7 @@ class Needles:
         owners: dict[bytes, set[str]] = {}
         for secret_id, forms in entries:
             for form in forms:
-                for needle in {form, normalize(form)}:
+                for needle in _rounds_of(form):
                     if needle and (needle == form or len(needle) >= MIN_FORM_LEN):
                         owners.setdefault(needle[:MAX_NEEDLE_LEN], set()).add(secret_id)
         self._needles = sorted(owners)
@@ -87,6 +87,14 @@ class Needles:
             found |= self.find_raw(decoded)
             data = decoded
         return found
+
+
+def _rounds_of(form: bytes) -> set[bytes]:
+    out = {form}
+    for _ in range(ESCAPE_ROUNDS):
+        form, _ = decode_round(form)
+        out.add(form)
+    return out
 
 
 def _raw_hold(max_len: int) -> int:
@@ -133,7 +141,7 @@ class _Matcher:
         self._tail = b""
 
     def _carry(self, window: bytes) -> None:
-        self._tail = window[len(window) - self._keep:] if self._keep else b""
+        self._tail = window[-self._keep:] if self._keep else b""
 
     def scan(self, data: bytes) -> set[str]:
         window = self._tail + data
@@ -142,7 +150,7 @@ class _Matcher:
 
     def skip(self, data: bytes) -> None:
         """`data` repeats bytes another matcher already scanned: only carry the tail."""
-        self._carry(self._tail + data[len(data) - self._keep:])
+        self._carry(self._tail + data[-self._keep:] if self._keep else b"")
 
 
 class StreamLeakScanner:
