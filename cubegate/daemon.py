@@ -17,6 +17,7 @@ from egress.audit.index import AuditIndex
 from egress.audit.log import AuditLog
 from egress.audit.record import now_ts
 from egress.engine import build_master, listeners_bound
+from egress.bodies import BodyLimits
 from egress.gate import PolicyGate
 from egress.identity import IdentityStore
 from egress.metrics import GatewayMetrics
@@ -75,6 +76,10 @@ class Daemon:
             max_header_count=s.proxy.max_header_count, max_header_bytes=s.proxy.max_header_bytes,
             header_timeout=s.proxy.header_timeout, upstream_timeout=s.proxy.upstream_timeout,
             connect_timeout=s.proxy.connect_timeout,
+            max_connections_per_sandbox=s.proxy.max_connections_per_sandbox,
+            body_limits=BodyLimits(max_body_bytes=s.proxy.max_body_bytes,
+                                   inspect_buffer_bytes=s.proxy.inspect_buffer_bytes,
+                                   max_buffered_bytes_per_sandbox=s.proxy.max_buffered_bytes_per_sandbox),
         )
         from cubegate import runtime_service  # sandboxes + their API (runtime.enabled); creates the switch
         self._runtime = await runtime_service.start_for(self)   # before DNS: the switch adds the hub address
@@ -98,7 +103,8 @@ class Daemon:
         self._tasks.append(asyncio.create_task(self._policy_watch(s.policy_poll_seconds), name="policy-watch"))
         self._tasks.append(asyncio.create_task(self._index_loop(), name="audit-index"))
         from egress.engine import widen_listen_backlog  # bursts of connects must not be dropped
-        self._tasks.append(asyncio.create_task(widen_listen_backlog(self.master), name="listen-backlog"))
+        self._backlog = asyncio.create_task(widen_listen_backlog(self.master), name="listen-backlog")
+        self._tasks.append(self._backlog)
         # (the mitmproxy task stays last: run() watches self._tasks[-1])
         self._tasks.append(asyncio.create_task(self.master.run(), name="mitmproxy"))
 
@@ -159,9 +165,16 @@ class Daemon:
                                                  if self.policies.last_error else "")))
         self.readiness.add("ca", lambda: (all(p.exists() for p in ca_paths(self.settings.ca_dir)),
                                           str(ca_paths(self.settings.ca_dir)[1])))
-        self.readiness.add("listeners", lambda: listeners_bound(self.master))
+        self.readiness.add("listeners", self._listeners_ready)
         self.readiness.add("vault", self._vault_ready)
         self.readiness.add("audit", lambda: (self.audit.writable(), str(self.settings.audit_dir)))
+
+    def _listeners_ready(self) -> tuple[bool, str]:
+        bound, detail = listeners_bound(self.master)
+        backlog = getattr(self, "_backlog", None)
+        if bound and (backlog is None or not backlog.done()):
+            return False, f"{detail}; accept backlog not widened yet (a burst of connects would be dropped)"
+        return bound, detail
 
     def _vault_ready(self) -> tuple[bool, str]:
         if self.vault is None:

@@ -74,6 +74,10 @@ class VaultCredentials:
             req.query = injection.apply_to_query(list(req.query.items(multi=True)))
         else:
             injection.apply_to_headers(req.headers)
+        # A ranged answer hands the sandbox the body in pieces no single scrub pass sees
+        # whole (8-byte Range requests reassemble the key): ask for the whole body.
+        for h in ("range", "if-range"):
+            req.headers.pop(h, None)
         flow.metadata[_INJECTION_KEY] = injection
         if self.metrics is not None:
             self.metrics.injections.labels(sandbox, injection.secret_id).inc()
@@ -81,55 +85,83 @@ class VaultCredentials:
                 "fingerprint": injection.fingerprint, "binding": injection.binding_id}
 
     # -- request body stage ----------------------------------------------------
-    def on_request_body(self, flow: http.HTTPFlow, conn) -> Refusal | None:
-        body = flow.request.raw_content
-        if not body:
-            return None
+    def request_needles(self, flow: http.HTTPFlow, conn) -> "vaultlib.Needles | Refusal":
+        """What the request body must not carry: the sandbox's placeholders and its tenant's
+        secret values, except the one injected into this request."""
         decision = conn.decision
         tenant = _tenant(decision.tenant if decision else None)
-        return self._leak_check(flow, conn, tenant, conn.identity.sandbox_id, body,
-                                flow.metadata.get(_INJECTION_KEY), "body")
+        injection = flow.metadata.get(_INJECTION_KEY)
+        try:
+            return self.vault.leak_needles(tenant, conn.identity.sandbox_id,
+                                           exclude=injection.secret_id if injection else None)
+        except vaultlib.VaultSealed:
+            return Refusal(503, "vault_sealed", "the credential vault is sealed; request bodies cannot be checked")
+        except vaultlib.VaultError as e:
+            return Refusal(503, "vault_error", f"vault lookup failed ({type(e).__name__})")
+
+    def report_leak(self, conn, secret_ids, where: str) -> None:
+        sandbox = conn.identity.sandbox_id if conn.identity else "-"
+        if self.metrics is not None:
+            self.metrics.leaks_blocked.labels(sandbox).inc()
+        log.warning("ALERT credential leak blocked: sandbox %s sent secret(s) %s in %s to %s",
+                    sandbox, ",".join(sorted(secret_ids)), where, conn.host)
+        self.alert({"sandbox": sandbox, "secrets": sorted(secret_ids), "where": where, "host": conn.host})
 
     def _leak_check(self, flow, conn, tenant, sandbox, data, injection, where) -> Refusal | None:
         try:
             leaks = self.vault.find_leaks(tenant, sandbox, data)
         except vaultlib.VaultSealed:
-            return None  # nothing to compare against; bound requests already fail on resolve
+            if not self.vault.list_secrets(tenant):
+                return None   # nothing this tenant could leak
+            return Refusal(503, "vault_sealed", "the credential vault is sealed; requests cannot be checked")
         except vaultlib.VaultError as e:
-            return Refusal(503, "vault_error", f"{type(e).__name__}: {e}")
+            return Refusal(503, "vault_error", f"vault lookup failed ({type(e).__name__})")
         if injection is not None:
             leaks = [s for s in leaks if s != injection.secret_id]
         if not leaks:
             return None
-        if self.metrics is not None:
-            self.metrics.leaks_blocked.labels(sandbox).inc()
-        log.warning("ALERT credential leak blocked: sandbox %s sent secret(s) %s in %s to %s",
-                    sandbox, ",".join(sorted(leaks)), where, conn.host)
-        self.alert({"sandbox": sandbox, "secrets": sorted(leaks), "where": where, "host": conn.host})
+        self.report_leak(conn, leaks, where)
         return Refusal(403, "credential_leak",
                        f"request {where} carry secret(s) {', '.join(sorted(leaks))} to {conn.host}, "
                        "which they are not bound to")
 
     # -- response stage ----------------------------------------------------------
-    def on_response(self, flow: http.HTTPFlow, conn) -> None:
+    def injected_forms(self, flow: http.HTTPFlow) -> frozenset | None:
+        """Spellings of the value injected into this flow's request (None: nothing injected)."""
+        injection = flow.metadata.get(_INJECTION_KEY)
+        return injection.value_forms if injection is not None else None
+
+    def on_response_headers(self, flow: http.HTTPFlow, conn) -> Refusal | None:
+        """Scrub the injected value from response headers; refuse what cannot be made safe."""
         injection = flow.metadata.get(_INJECTION_KEY)
         if injection is None or flow.response is None:
-            return
-        headers = flow.response.headers
-        for name, value in list(headers.items(multi=True)):
-            if injection.occurs_in(value) or injection.occurs_in(name):
-                values = headers.get_all(name)
-                headers.set_all(name, [injection.scrub(v).decode("latin-1") for v in values])
-        if self.scrub_bodies and flow.response.raw_content:
-            content = flow.response.content  # decoded (gzip etc.) so encodings cannot hide it
-            if content and injection.occurs_in(content):
-                flow.response.content = injection.scrub(content)
+            return None
+        resp = flow.response
+        if resp.status_code == 206 or "content-range" in resp.headers:
+            return Refusal(502, "range_on_injected_flow",
+                           "a partial response on a flow that carried a credential cannot be scrubbed whole")
+        fields = []
+        for name, value in resp.headers.fields:
+            fields.append((injection.scrub(name), injection.scrub(value)))
+        resp.headers.fields = tuple(fields)
+        # The value split over several headers, or spelled with escapes, survives a per-header scrub.
+        joined = b"".join(n + v for n, v in fields)
+        if injection.occurs_in(vaultlib.normalize(joined)) or injection.occurs_in(b"".join(v for _, v in fields)):
+            return Refusal(502, "response_unscrubbable",
+                           "response headers carry the injected credential in a form that cannot be removed")
+        return None
+
+    @property
+    def scrubs_bodies(self) -> bool:
+        return self.scrub_bodies
 
 
 def _header_blob(req: http.Request) -> bytes:
     parts = [req.url.encode("utf-8", "replace")]
     for k, v in req.headers.fields:
         parts.append(k + b": " + v)
+    # The value split across two headers is only whole in their concatenation.
+    parts.append(b"".join(v for _, v in req.headers.fields))
     return b"\n".join(parts)
 
 

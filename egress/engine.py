@@ -12,6 +12,7 @@ from mitmproxy import options
 from mitmproxy.addons import core, errorcheck, next_layer, proxyserver, tlsconfig
 from mitmproxy.master import Master
 
+from egress import log_redact, mitm_internals
 from egress.drain import DrainAddon
 
 
@@ -26,6 +27,9 @@ def build_master(
     idle_timeout: int | None = None,
     extra_addons: tuple = (),
 ) -> Master:
+    mitm_internals.install_safe_error_pages()   # no error page quotes the bytes that failed
+    mitm_internals.install_trailer_refusal()     # HTTP/1 trailers are refused, never a hung connection
+    log_redact.install()                         # no engine log line does either
     opts = options.Options()
     master = Master(opts, with_termlog=False)
     # Order matters: our gate sees tls_clienthello before tlsconfig, and
@@ -96,15 +100,12 @@ async def widen_listen_backlog(master: Master, backlog: int = LISTEN_BACKLOG, ti
     deadline = loop.time() + timeout
     while not listeners_bound(master)[0] and loop.time() < deadline:
         await asyncio.sleep(0.05)
-    ps = master.addons.get("proxyserver")
     done = 0
-    for instance in list(ps.servers) if ps is not None else []:
-        for srv in getattr(instance, "_servers", []):
-            for tsock in getattr(srv, "sockets", ()):
-                dup = socket.socket(fileno=os.dup(tsock.fileno()))
-                try:
-                    dup.listen(backlog)
-                    done += 1
-                finally:
-                    dup.close()
+    for tsock in mitm_internals.listening_sockets(master):
+        dup = socket.socket(fileno=os.dup(tsock.fileno()))
+        try:
+            dup.listen(backlog)
+            done += 1
+        finally:
+            dup.close()
     return done

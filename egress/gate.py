@@ -22,11 +22,14 @@ from mitmproxy import connection, ctx, http, tls
 from mitmproxy.proxy import layers, server_hooks
 from mitmproxy.proxy.layer import NextLayer
 
-from egress import netguard
+from egress import mitm_internals, netguard
+from egress.bodies import (BodyLimits, BodyRefused, BufferBudget, RefusedResponseStream, RequestLeakStream,
+                           ResponseScrubStream, check_request_body, content_encoding, make_decoder,
+                           scrub_response_body)
 from egress.audit.log import AuditWriteError
 from egress.audit.record import now_ts
-from egress.http_checks import (PROXY_ONLY_HEADERS, Refusal, check_framing,
-                                check_header_limits, split_host_port)
+from egress.http_checks import (PROXY_ONLY_HEADERS, Refusal, check_framing, check_header_limits,
+                                check_request_authority, split_host_port)
 from egress.identity import Identity, IdentityStore
 from egress.metrics import GatewayMetrics
 from egress.policy import Decision, RequestInfo, normalize_host
@@ -44,22 +47,36 @@ class CredentialHook(Protocol):
 
     def on_request(self, flow: http.HTTPFlow, conn: "ConnState", scheme: str) -> Refusal | dict | None: ...
 
-    def on_request_body(self, flow: http.HTTPFlow, conn: "ConnState") -> Refusal | None: ...
+    def request_needles(self, flow: http.HTTPFlow, conn: "ConnState") -> Any: ...   # vault.Needles | Refusal
 
-    def on_response(self, flow: http.HTTPFlow, conn: "ConnState") -> None: ...
+    def report_leak(self, conn: "ConnState", secret_ids, where: str) -> None: ...
+
+    def injected_forms(self, flow: http.HTTPFlow) -> frozenset | None: ...
+
+    def on_response_headers(self, flow: http.HTTPFlow, conn: "ConnState") -> Refusal | None: ...
+
+    scrubs_bodies: bool
 
 
 class NoCredentials:
+    scrubs_bodies = False
+
     def needs_interception(self, tenant, host, port) -> bool:
         return False
 
     def on_request(self, flow, conn, scheme):
         return None
 
-    def on_request_body(self, flow, conn):
+    def request_needles(self, flow, conn):
         return None
 
-    def on_response(self, flow, conn) -> None:
+    def report_leak(self, conn, secret_ids, where) -> None:
+        return None
+
+    def injected_forms(self, flow):
+        return None
+
+    def on_response_headers(self, flow, conn):
         return None
 
 
@@ -78,6 +95,7 @@ class ConnState:
     identity: Identity | None = None
     host: str | None = None          # normalised destination host (CONNECT, or SNI in transparent mode)
     port: int | None = None
+    conn_port: int | None = None     # transparent: the port the sandbox dialled (80/443), fixed for the connection
     ip_literal: bool = False
     sni: str | None = None
     decision: Decision | None = None
@@ -90,6 +108,9 @@ class ConnState:
     bytes_in: int = 0                # upstream → sandbox
     requests: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    counted_for: str | None = None   # sandbox whose connection budget this connection holds
+    refused_pending: int = 0         # requests refused at their head whose body mitmproxy still reads
+    refused_allowance: int = 0       # bytes the sandbox may still send for those bodies
     head_timer: Any = None           # slowloris: fires if the request head / ClientHello is not complete
 
 
@@ -127,6 +148,8 @@ class PolicyGate:
         header_timeout: float | None = None,
         upstream_timeout: float | None = None,
         connect_timeout: float | None = None,
+        max_connections_per_sandbox: int | None = None,
+        body_limits: BodyLimits | None = None,
     ):
         self.policies = policies
         self.identities = identities
@@ -144,6 +167,10 @@ class PolicyGate:
         self._connect_timers: dict[str, asyncio.TimerHandle] = {}
         self._connect_timeouts: set[str] = set()
         self.conns: dict[str, ConnState] = {}
+        self.max_connections_per_sandbox = max_connections_per_sandbox
+        self.body_limits = body_limits or BodyLimits()
+        self.buffer_budget = BufferBudget(self.body_limits.max_buffered_bytes_per_sandbox)
+        self._open_per_sandbox: dict[str, int] = {}
 
     # ------------------------------------------------------------------ helpers
     def _audit(self, event: str, st: ConnState | None, **fields: Any) -> bool:
@@ -178,21 +205,58 @@ class PolicyGate:
         sandbox = st.identity.sandbox_id if st.identity else "-"
         self.metrics.decisions.labels(sandbox, action, reason, stage).inc()
 
-    def _kill_client(self, client: connection.Client) -> None:
-        ps = ctx.master.addons.get("proxyserver")
-        handler = ps.connections.get(client.id) if ps else None
-        if handler is None:
+    def _deny(self, st: ConnState, reason: str, *, stage: str, status: int | None = None,
+              flow: http.HTTPFlow | None = None, client: connection.Client | None = None,
+              detail: str = "", **fields: Any) -> None:
+        """The one way a connection or request is refused: state, audit record, metric, then
+        either a response on `flow` (explicit proxy) or the client connection reset."""
+        st.kind, st.denied_reason = "denied", reason
+        self._audit("decision", st, decision="deny", reason=reason, status=status, **fields)
+        self._count(st, "deny", reason, stage)
+        if flow is not None:
+            flow.response = self._deny_response(status or 403, reason, detail or reason)
+        elif client is not None:
+            self._kill_client(client)
+
+    def _refuse_connection(self, st: ConnState, client: connection.Client, reason: str, *,
+                           identity: Identity | None = None) -> None:
+        """Refuse at client_connected (transparent mode): mitmproxy closes a client whose
+        .error is set before any byte is read."""
+        st.identity = identity or st.identity
+        st.kind, st.denied_reason = "denied", reason
+        self._audit("decision", st, decision="deny", reason=reason)
+        self._count(st, "deny", reason, "connect")
+        client.error = reason
+
+    def _claim_connection(self, st: ConnState, identity: Identity) -> bool:
+        """Count this connection against its sandbox's budget; False when the budget is spent."""
+        st.identity = identity
+        sandbox = identity.sandbox_id
+        if st.counted_for == sandbox:
+            return True
+        if st.counted_for is not None:
+            self._release_connection(st)
+        n = self._open_per_sandbox.get(sandbox, 0)
+        if self.max_connections_per_sandbox and n >= self.max_connections_per_sandbox:
+            return False
+        self._open_per_sandbox[sandbox] = n + 1
+        st.counted_for = sandbox
+        return True
+
+    def _release_connection(self, st: ConnState) -> None:
+        sandbox, st.counted_for = st.counted_for, None
+        if sandbox is None:
             return
-        transport = getattr(getattr(handler.transports.get(client), "writer", None), "transport", None)
-        handler.close_connection(client)
-        # close_connection only cancels the handler task; when that task is itself waiting
-        # on this hook (e.g. after an await in tls_clienthello) the socket stays open and
-        # the sandbox hangs until its own timeout. Reset it now (nothing buffered is lost).
-        if transport is not None and not transport.is_closing():
-            if transport.get_write_buffer_size() == 0:
-                transport.abort()
-            else:
-                transport.close()     # flush what is queued (e.g. a 403), then close
+        n = self._open_per_sandbox.get(sandbox, 1) - 1
+        if n > 0:
+            self._open_per_sandbox[sandbox] = n
+        else:
+            self._open_per_sandbox.pop(sandbox, None)
+
+    def _kill_client(self, client: connection.Client) -> None:
+        # Flush what is queued (e.g. a 403), else reset: the sandbox must not hang on a
+        # refused connection until its own timeout.
+        mitm_internals.close_client(client, flush=True)
 
     # --------------------------------------------------------------- deadlines
     # mitmproxy 12 only has tcp_timeout, an inactivity timer that every byte resets:
@@ -238,19 +302,19 @@ class PolicyGate:
                         path=_path_only(flow.request.path), status=502,
                         extra={"error": f"no response head within {self.upstream_timeout}s"})
             self._count(st, "deny", "upstream_timeout", "upstream")
-        ps = ctx.master.addons.get("proxyserver")
-        handler = ps.connections.get(flow.client_conn.id) if ps else None
-        io = handler.transports.get(flow.server_conn) if handler is not None else None
-        if io is not None and io.handler is not None:
-            io.handler.cancel("upstream timeout")
-        elif handler is not None:
-            handler.close_connection(flow.client_conn)
-
-    def responseheaders(self, flow: http.HTTPFlow) -> None:
-        self._disarm_upstream_timer(flow)
+        if not mitm_internals.cancel_server(flow.client_conn.id, flow.server_conn, "upstream timeout"):
+            mitm_internals.close_client(flow.client_conn, flush=True)
 
     def error(self, flow: http.HTTPFlow) -> None:
         self._disarm_upstream_timer(flow)
+        self._release_buffer(flow)
+        # The sandbox may have hung up before this hook runs: the flow keeps its connection's state.
+        st = self.conns.get(flow.client_conn.id) or flow.metadata.get("cubegate_conn")
+        self._refused_answered(flow, st)
+        if st is not None and flow.error is not None and flow.error.msg == mitm_internals.TRAILERS_REFUSED:
+            self._audit("request", st, scheme=flow.request.scheme, method=flow.request.method,
+                        path=_path_only(flow.request.path), decision="deny", reason="trailers_refused", status=400)
+            self._count(st, "deny", "trailers_refused", "body")
 
     @staticmethod
     def _deny_response(status: int, reason: str, detail: str) -> http.Response:
@@ -310,31 +374,45 @@ class PolicyGate:
                 self._count(st, "deny", "unknown_source", "connect")
                 client.error = "unknown source address"
                 return
-            st.identity = ident
             # Destination comes from SNI/Host; the original destination IP is never trusted.
-            st.port = client.sockname[1] if client.sockname else None
+            # Only connections the switch steered (80/443) are served: one dialled straight at
+            # the transparent port would otherwise make us dial an allowed host on that port.
+            st.conn_port = st.port = client.sockname[1] if client.sockname else None
+            if st.port not in TLS_PORTS | PLAIN_HTTP_PORTS:
+                self._refuse_connection(st, client, "not_steered", identity=ident)
+                return
+            if not self._claim_connection(st, ident):
+                self._refuse_connection(st, client, "sandbox_connection_limit", identity=ident)
+                return
         self._wrap_reader(client, "out", st)
 
-    def _wrap_reader(self, conn: connection.Connection, direction: str, st: ConnState) -> None:
-        ps = ctx.master.addons.get("proxyserver")
-        handler = ps.connections.get(st.conn_id) if ps else None
-        io = handler.transports.get(conn) if handler is not None else None
-        if io is None or io.reader is None:
-            return
+    def _kill_if_open(self, conn_id: str) -> None:
+        st = self.conns.get(conn_id)
+        client = mitm_internals.client_of(conn_id)
+        if st is not None and client is not None:
+            st.kind, st.denied_reason = "denied", st.denied_reason or "refused_body_too_large"
+            mitm_internals.close_client(client, flush=False)
 
+    def _wrap_reader(self, conn: connection.Connection, direction: str, st: ConnState) -> None:
         def add(n: int, st=st, direction=direction) -> None:
             if direction == "out":
                 st.bytes_out += n
+                if st.refused_pending:
+                    st.refused_allowance -= n
+                    if st.refused_allowance < 0:   # a refused request's body beyond its allowance
+                        st.refused_pending = 0
+                        asyncio.get_running_loop().call_soon(self._kill_if_open, st.conn_id)
             else:
                 st.bytes_in += n
 
-        io.reader = _CountingReader(io.reader, add)
+        mitm_internals.wrap_reader(st.conn_id, conn, lambda reader: _CountingReader(reader, add))
 
     def client_disconnected(self, client: connection.Client) -> None:
         st = self.conns.pop(client.id, None)
         self.metrics.active_connections.dec()
         if st is None:
             return
+        self._release_connection(st)
         self._disarm_head_timer(st)
         duration = time.monotonic() - st.started
         sandbox = st.identity.sandbox_id if st.identity else "-"
@@ -366,6 +444,10 @@ class PolicyGate:
             self._count(st, "deny", reason, "connect")
             flow.response = self._deny_response(407, reason, "send Proxy-Authorization: Basic base64(sandbox_id:token)")
             flow.response.headers["Proxy-Authenticate"] = 'Basic realm="cubegate"'
+            return
+        if not self._claim_connection(st, st.identity):
+            self._deny(st, "sandbox_connection_limit", stage="connect", status=429, flow=flow, method="CONNECT",
+                       detail=f"sandbox already holds {self.max_connections_per_sandbox} connections")
             return
         decision, refusal = await self._destination(
             st, flow.request.host, flow.request.port, scheme=None, method=None, path=None)
@@ -497,11 +579,15 @@ class PolicyGate:
             return
         st = self.conns.get(flow.client_conn.id)
         self._disarm_head_timer(st)
-        if st is None or st.kind == "denied":
+        if st is None:
             flow.response = self._deny_response(403, "connection_denied", "connection was refused")
+            return
+        if st.kind == "denied":
+            self._respond_before_body(flow, st, Refusal(403, "connection_denied", "connection was refused"))
             return
         t0 = time.perf_counter()
         st.requests += 1
+        flow.metadata["cubegate_conn"] = st
         fields = list(flow.request.headers.fields)
         refusal = check_header_limits(fields, max_count=self.max_header_count, max_bytes=self.max_header_bytes) \
             or check_framing(fields)
@@ -521,22 +607,26 @@ class PolicyGate:
             if ident is None:
                 refusal = Refusal(407, "proxy_auth_missing" if "Proxy-Authorization" not in flow.request.headers
                                   else "proxy_auth_invalid", "send Proxy-Authorization")
+            elif not self._claim_connection(st, ident):
+                refusal = Refusal(429, "sandbox_connection_limit",
+                                  f"sandbox already holds {self.max_connections_per_sandbox} connections")
             else:
-                st.identity = ident
                 host_hdr = flow.request.host_header
                 if st.transparent:
                     # flow.request.host is the original destination IP here: the sandbox
                     # chose it, so never use it. The Host header names the destination;
                     # the gateway resolves it and connects to (name, original port).
                     refusal = self._transparent_target(flow, st, host_hdr)
-                elif host_hdr:
+                else:
+                    # The absolute-form target decides; every Host header must name it (host and port).
                     try:
-                        hh, _ = split_host_port(host_hdr)
-                        if normalize_host(hh) != normalize_host(flow.request.host):
-                            refusal = Refusal(421, "host_mismatch",
-                                              f"Host header {hh} differs from request target {flow.request.host}")
+                        target = _canonical_host(flow.request.host)
                     except ValueError as e:
                         refusal = Refusal(400, "invalid_host", str(e))
+                    else:
+                        refusal = check_request_authority(
+                            want_host=target, want_port=flow.request.port, scheme=scheme, authority="",
+                            host_headers=flow.request.headers.get_all("host"), normalize=_canonical_host)
                 if refusal is None:
                     decision, refusal = await self._destination(
                         st, flow.request.host, flow.request.port, scheme=scheme,
@@ -554,6 +644,8 @@ class PolicyGate:
                 refusal = out
             else:
                 injected = out
+        if refusal is None and decision is not None:
+            refusal = self._plan_request_body(flow, st)
         self.metrics.decision_latency.labels("request").observe(time.perf_counter() - t0)
         fields_d = self._decision_fields(decision) if decision else {}
         if refusal is not None:
@@ -564,60 +656,244 @@ class PolicyGate:
             refusal = Refusal(503, "audit_unavailable", "audit log not writable")
         self._count(st, "deny" if refusal else "allow", refusal.reason if refusal else decision.reason, "request")
         if refusal is not None:
-            flow.response = self._deny_response(refusal.status, refusal.reason, refusal.detail)
+            self._respond_before_body(flow, st, refusal)
         else:
             flow.metadata["cubegate_t0"] = time.perf_counter()
 
+    def _respond_before_body(self, flow: http.HTTPFlow, st: ConnState, refusal: Refusal) -> None:
+        """Refuse at the request head. mitmproxy still reads the request's body into memory
+        before it answers, so the connection gets a small allowance for that body and is
+        closed when the sandbox sends more (see _CountingReader)."""
+        self._release_buffer(flow, "request")
+        flow.request.stream = False
+        flow.metadata.pop("cubegate_needles", None)
+        flow.response = self._deny_response(refusal.status, refusal.reason, refusal.detail)
+        flow.metadata["cubegate_refused_early"] = True
+        if st.refused_pending == 0:
+            st.refused_allowance = self.body_limits.inspect_buffer_bytes
+        st.refused_pending += 1
+
+    def _refused_answered(self, flow: http.HTTPFlow, st: ConnState | None) -> None:
+        if flow.metadata.pop("cubegate_refused_early", None) and st is not None:
+            st.refused_pending = max(0, st.refused_pending - 1)
+
     @staticmethod
     def _transparent_target(flow: http.HTTPFlow, st: ConnState, host_hdr: str | None) -> Refusal | None:
-        if not host_hdr:
+        hosts = flow.request.headers.get_all("host")
+        if not hosts:
             return Refusal(400, "host_missing", "transparent HTTP request without Host header: destination unknown")
+        if len(hosts) > 1:
+            return Refusal(400, "duplicate_host", f"{len(hosts)} Host headers")
         try:
-            hh, _ = split_host_port(host_hdr)
+            hh, hp = split_host_port(hosts[0])
         except ValueError as e:
             return Refusal(400, "invalid_host", str(e))
+        port = st.conn_port or 80
+        if hp is not None and hp != port:
+            return Refusal(421, "authority_mismatch", f"Host header names port {hp}, the connection is to port {port}")
         flow.request.data.host = hh   # _destination normalises and SSRF-checks it
-        flow.request.data.port = st.port or 80
+        flow.request.data.port = port
         return None
 
     def _check_authority(self, flow: http.HTTPFlow, st: ConnState) -> Refusal | None:
-        """Inside a tunnel every request must name the tunnel's host (HTTP/2 coalescing, fronting)."""
-        authority = flow.request.authority or flow.request.host_header
-        if not authority:
-            return None  # HTTP/1.0 without Host: the tunnel host applies
+        """Inside a tunnel every name the request carries (absolute-form target or HTTP/2
+        :authority, and every Host header) must be the tunnel's host AND port: HTTP/2
+        coalescing and domain fronting would otherwise get a key under another name."""
+        return check_request_authority(
+            want_host=st.host, want_port=st.port, scheme=flow.request.scheme,
+            authority=flow.request.authority, host_headers=flow.request.headers.get_all("host"),
+            normalize=_canonical_host)
+
+    # ------------------------------------------------------------------ bodies
+    # Every body streams; the ones that must be inspected (outbound leak check, scrub on
+    # injected flows) stream through a checker (egress/bodies.py). Known-length bodies up
+    # to inspect_buffer_bytes may be held whole instead, so a refusal is a readable answer.
+    def _plan_request_body(self, flow: http.HTTPFlow, st: ConnState) -> Refusal | None:
+        req = flow.request
+        length = _content_length(req.headers)
+        if length == 0:
+            return None
+        needles = self.credentials.request_needles(flow, st)
+        if isinstance(needles, Refusal):
+            return needles
+        if needles is None or needles.empty:
+            req.stream = True
+            return None
+        encoding = content_encoding(req.headers)
         try:
-            h, _ = split_host_port(authority)
-            lit = netguard.parse_ip_literal(h)
-            name = str(lit) if lit is not None else normalize_host(h)
-        except ValueError as e:
-            return Refusal(400, "invalid_host", str(e))
-        if name != st.host:
-            return Refusal(421, "authority_mismatch", f"request for {name} inside a tunnel to {st.host}")
+            make_decoder(encoding, self.body_limits, what="request")
+        except BodyRefused as r:
+            return Refusal(r.status, r.reason, r.detail)
+        if length is not None and self._hold_body(flow, st, length, "request"):
+            flow.metadata["cubegate_needles"] = needles
+            return None
+        req.stream = RequestLeakStream(needles, encoding, self.body_limits,
+                                       lambda r: self._stream_refused(flow, st, r, "request"))
         return None
 
-    def request(self, flow: http.HTTPFlow) -> None:
-        """Full body available: last chance to stop a secret or placeholder leaving in it."""
+    def _hold_body(self, flow: http.HTTPFlow, st: ConnState, length: int, what: str) -> bool:
+        sandbox = st.identity.sandbox_id if st.identity else "-"
+        if length > self.body_limits.inspect_buffer_bytes or not self.buffer_budget.reserve(sandbox, length):
+            return False
+        flow.metadata[f"cubegate_held_{what}"] = (sandbox, length)
+        return True
+
+    def _release_buffer(self, flow: http.HTTPFlow, what: str | None = None) -> None:
+        for w in (what,) if what else ("request", "response"):
+            held = flow.metadata.pop(f"cubegate_held_{w}", None)
+            if held is not None:
+                self.buffer_budget.release(*held)
+
+    def _stream_refused(self, flow: http.HTTPFlow, st: ConnState, r: BodyRefused, what: str) -> None:
+        """A streamed body failed its check: reset both sides now, before anything more is sent."""
+        mitm_internals.abort_now(flow.client_conn.id, flow.client_conn, flow.server_conn)
+        if r.reason == "credential_leak":
+            self.credentials.report_leak(st, r.secret_ids, "body")
+        st.kind, st.denied_reason = "denied", r.reason
+        self._audit("request" if what == "request" else "response", st, scheme=flow.request.scheme,
+                    method=flow.request.method, path=_path_only(flow.request.path), decision="deny",
+                    reason=r.reason, extra={"stage": f"{what}_stream", "detail": r.detail})
+        self._count(st, "deny", r.reason, "body")
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        """A held request body is complete: check it before anything goes upstream."""
         if flow.response is not None or flow.request.method == "CONNECT":
             return
         st = self.conns.get(flow.client_conn.id)
         if st is None or st.identity is None:
             return
-        refusal = self.credentials.on_request_body(flow, st)
-        if refusal is None:
-            self._arm_upstream_timer(flow)  # connect + response head must come within upstream_timeout
-            return
-        self._audit("request", st, scheme=flow.request.scheme, method=flow.request.method,
-                    path=_path_only(flow.request.path), decision="deny", reason=refusal.reason, status=refusal.status)
-        self._count(st, "deny", refusal.reason, "body")
-        flow.response = self._deny_response(refusal.status, refusal.reason, refusal.detail)
+        needles = flow.metadata.pop("cubegate_needles", None)
+        if needles is not None:
+            body = flow.request.raw_content or b""
+            try:
+                if len(body) > _INLINE_CHECK_BYTES:
+                    await asyncio.to_thread(check_request_body, body, content_encoding(flow.request.headers),
+                                            needles, self.body_limits)
+                else:
+                    check_request_body(body, content_encoding(flow.request.headers), needles, self.body_limits)
+            except BodyRefused as r:
+                if r.reason == "credential_leak":
+                    self.credentials.report_leak(st, r.secret_ids, "body")
+                self._audit("request", st, scheme=flow.request.scheme, method=flow.request.method,
+                            path=_path_only(flow.request.path), decision="deny", reason=r.reason, status=r.status)
+                self._count(st, "deny", r.reason, "body")
+                flow.response = self._deny_response(r.status, r.reason, r.detail)
+                return
+            finally:
+                self._release_buffer(flow, "request")
+        self._arm_upstream_timer(flow)  # connect + response head must come within upstream_timeout
 
-    def response(self, flow: http.HTTPFlow) -> None:
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        self._disarm_upstream_timer(flow)
         st = self.conns.get(flow.client_conn.id)
-        if st is not None:
-            self.credentials.on_response(flow, st)
+        resp = flow.response
+        if st is None or resp is None or "cubegate_own_response" in flow.metadata:
+            return
+        forms = self.credentials.injected_forms(flow)
+        if forms is None:
+            resp.stream = True
+            return
+        refusal = self.credentials.on_response_headers(flow, st)
+        encoding = content_encoding(resp.headers)
+        if refusal is None and self.credentials.scrubs_bodies:
+            try:
+                make_decoder(encoding, self.body_limits, what="response")
+            except BodyRefused as r:
+                refusal = Refusal(r.status, r.reason, r.detail)
+        if refusal is not None:
+            self._refuse_response(flow, st, refusal)
+            return
+        if not self.credentials.scrubs_bodies or not _may_have_body(flow):
+            resp.stream = True
+            return
+        length = _content_length(resp.headers)
+        if length is not None and self._hold_body(flow, st, length, "response"):
+            return   # scrubbed whole in response()
+        resp.stream = ResponseScrubStream(forms, encoding, self.body_limits,
+                                          lambda r: self._stream_refused(flow, st, r, "response"))
+        _reframe_decoded(flow)
+
+    def _refuse_response(self, flow: http.HTTPFlow, st: ConnState, refusal: Refusal) -> None:
+        self._audit("response", st, scheme=flow.request.scheme, method=flow.request.method,
+                    path=_path_only(flow.request.path), decision="deny", reason=refusal.reason,
+                    status=refusal.status, extra={"upstream_status": flow.response.status_code})
+        self._count(st, "deny", refusal.reason, "response")
+        deny = self._deny_response(refusal.status, refusal.reason, refusal.detail)
+        flow.metadata["cubegate_own_response"] = deny.raw_content
+        deny.stream = RefusedResponseStream(deny.raw_content)   # upstream body dropped, ours sent
+        flow.response = deny
+
+    async def response(self, flow: http.HTTPFlow) -> None:
+        st = self.conns.get(flow.client_conn.id)
+        self._refused_answered(flow, st)
+        own = flow.metadata.pop("cubegate_own_response", None)
+        if own is not None:
+            if flow.response is not None and not flow.response.raw_content:
+                flow.response.raw_content = own    # upstream sent no body: the layer never called our stream
+            return
+        if st is not None and "cubegate_held_response" in flow.metadata and flow.response is not None:
+            try:
+                await self._scrub_held_response(flow)
+            except BodyRefused as r:
+                self._refuse_response(flow, st, Refusal(r.status, r.reason, r.detail))
+                flow.response.stream = False
+                flow.response.raw_content = flow.metadata.pop("cubegate_own_response")
+            finally:
+                self._release_buffer(flow, "response")
         t0 = flow.metadata.get("cubegate_t0")
         if t0 is not None and st is not None and st.identity:
             self.metrics.request_latency.labels(st.identity.sandbox_id).observe(time.perf_counter() - t0)
+
+    async def _scrub_held_response(self, flow: http.HTTPFlow) -> None:
+        resp = flow.response
+        body = resp.raw_content or b""
+        args = (body, content_encoding(resp.headers), self.credentials.injected_forms(flow), self.body_limits)
+        out = await asyncio.to_thread(scrub_response_body, *args) if len(body) > _INLINE_CHECK_BYTES \
+            else scrub_response_body(*args)
+        resp.headers.pop("content-encoding", None)
+        resp.raw_content = out
+        if "content-length" in resp.headers:
+            resp.headers["content-length"] = str(len(out))
+
+    # --------------------------------------------------------------- WebSocket
+    def websocket_message(self, flow: http.HTTPFlow) -> None:
+        st = self.conns.get(flow.client_conn.id)
+        ws = flow.websocket
+        if ws is None or not ws.messages:
+            return
+        msg = ws.messages[-1]
+        del ws.messages[:-1]          # mitmproxy keeps every message of a connection: keep one
+        if st is None or st.identity is None:
+            msg.drop()
+            return
+        if msg.from_client:
+            needles = self.credentials.request_needles(flow, st)
+            if isinstance(needles, Refusal):
+                reason, leaks = needles.reason, ()
+            else:
+                leaks = tuple(sorted(needles.find(msg.content))) if needles is not None and not needles.empty else ()
+                reason = "credential_leak" if leaks else None
+            if reason:
+                if leaks:
+                    self.credentials.report_leak(st, leaks, "websocket")
+                self._ws_refused(flow, st, msg, reason)
+            return
+        forms = self.credentials.injected_forms(flow)
+        if forms is None:
+            return
+        try:
+            out = scrub_response_body(msg.content, None, forms, self.body_limits)
+        except BodyRefused as r:
+            self._ws_refused(flow, st, msg, r.reason)
+            return
+        msg.content = out
+
+    def _ws_refused(self, flow: http.HTTPFlow, st: ConnState, msg, reason: str) -> None:
+        msg.drop()
+        self._audit("websocket", st, decision="deny", reason=reason, path=_path_only(flow.request.path),
+                    extra={"direction": "out" if msg.from_client else "in"})
+        self._count(st, "deny", reason, "websocket")
+        mitm_internals.abort_now(flow.client_conn.id, flow.client_conn, flow.server_conn)
 
     # ------------------------------------------------------------ upstream side
     def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
@@ -655,12 +931,9 @@ class PolicyGate:
 
     def _connect_timed_out(self, client: connection.Client, server: connection.Server) -> None:
         self._connect_timers.pop(server.id, None)
-        ps = ctx.master.addons.get("proxyserver")
-        handler = ps.connections.get(client.id) if ps else None
-        io = handler.transports.get(server) if handler is not None else None
-        if io is not None and io.handler is not None and server.timestamp_tcp_setup is None:
+        if server.timestamp_tcp_setup is None and mitm_internals.cancel_server(client.id, server,
+                                                                               "upstream connect timeout"):
             self._connect_timeouts.add(server.id)
-            io.handler.cancel("upstream connect timeout")
 
     def _connect_done(self, server: connection.Server) -> bool:
         timer = self._connect_timers.pop(server.id, None)
@@ -699,6 +972,35 @@ class PolicyGate:
         st.denied_reason = st.denied_reason or reason
         self._audit("decision", st, decision="deny", reason=reason, extra={"error": err[:300]})
         self._count(st, "deny", reason, "upstream")
+
+
+_INLINE_CHECK_BYTES = 64 * 1024   # larger held bodies are checked in a thread, off the event loop
+
+
+def _content_length(headers) -> int | None:
+    values = headers.get_all("content-length")
+    if len(values) == 1 and values[0].strip().isdigit():
+        return int(values[0].strip())
+    return None
+
+
+def _may_have_body(flow: http.HTTPFlow) -> bool:
+    status = flow.response.status_code
+    return flow.request.method != "HEAD" and status >= 200 and status not in (204, 304)
+
+
+def _reframe_decoded(flow: http.HTTPFlow) -> None:
+    """The body is forwarded decoded and scrubbed: its encoding and length are no longer the upstream's."""
+    headers = flow.response.headers
+    headers.pop("content-encoding", None)
+    headers.pop("content-length", None)
+    if not flow.request.is_http2 and not flow.request.is_http3:
+        headers["transfer-encoding"] = "chunked"
+
+
+def _canonical_host(h: str) -> str:
+    lit = netguard.parse_ip_literal(h)
+    return str(lit) if lit is not None else normalize_host(h)
 
 
 def _explain(d: Decision) -> str:

@@ -74,3 +74,34 @@ def check_framing(fields: Iterable[tuple[bytes, bytes]]) -> Refusal | None:
     if te_values and (len(te_values) > 1 or te_values[0] != b"chunked"):
         return Refusal(400, "bad_transfer_encoding", "Transfer-Encoding other than a single 'chunked'")
     return None
+
+
+DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+
+
+def check_request_authority(*, want_host: str, want_port: int, scheme: str, authority: str,
+                            host_headers: list[str], normalize) -> Refusal | None:
+    """Every name a request carries must be the destination that was decided (host AND port).
+
+    `authority` is the absolute-form target or HTTP/2 :authority ("" when absent),
+    `host_headers` every Host header value. A request that names another host or
+    port in any of them would carry an injected key under that other name
+    (domain fronting), so it is refused. `normalize` maps a host to its canonical
+    form (raises ValueError).
+    """
+    if len(host_headers) > 1:
+        return Refusal(400, "duplicate_host", f"{len(host_headers)} Host headers")
+    default = DEFAULT_PORTS.get(scheme.lower(), want_port)
+    for where, value in (("request target", authority), ("Host header", host_headers[0] if host_headers else "")):
+        if not value:
+            continue
+        try:
+            h, p = split_host_port(value)
+            name = normalize(h)
+        except ValueError as e:
+            return Refusal(400, "invalid_host", f"{where}: {e}")
+        port = p if p is not None else default
+        if name != want_host or port != want_port:
+            return Refusal(421, "authority_mismatch",
+                           f"{where} names {name}:{port}, the connection is to {want_host}:{want_port}")
+    return None

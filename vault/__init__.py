@@ -53,6 +53,8 @@ from .errors import (AmbiguousBinding, Conflict, DecryptError, InvalidBinding, I
                      KeyFileError, NotFound, PlaintextNotAllowed, SecretUnavailable, VaultCorrupt, VaultError,
                      VaultNotFound, VaultSealed, WrongMasterKey)
 from .injection import Injection
+from .forms import normalize
+from .scan import LeakFound, Needles, StreamLeakScanner, StreamScrubber, Unscrubbable
 from .tokens import TokenInfo, TokenStore
 
 __all__ = [
@@ -62,4 +64,5 @@ __all__ = [
     "VaultError", "VaultSealed", "VaultCorrupt", "VaultNotFound", "WrongMasterKey", "KeyFileError",
     "DecryptError", "InvalidName", "InvalidValue", "NotFound", "Conflict", "InvalidBinding",
     "AmbiguousBinding", "PlaintextNotAllowed", "SecretUnavailable",
+    "normalize", "Needles", "LeakFound", "StreamLeakScanner", "StreamScrubber", "Unscrubbable",
 ]

@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from . import crypto, forms
+from . import crypto, forms, scan
 from .bindings import Binding, HostPolicyCheck, admission_problems, match_host_port, parse_binding, select
 from .crypto import KeyRing, MasterKey
 from .errors import (Conflict, InvalidBinding, InvalidValue, NotFound, PlaintextNotAllowed,
@@ -81,6 +81,7 @@ class Vault:
         self._bindings: dict[str, list[Binding]] = {}
         self._injections: dict[tuple[str, int], Injection] = {}
         self._leak_forms: dict[tuple[str, str], list[tuple[str, frozenset]]] = {}
+        self._needles: dict[tuple, tuple[list, "scan.Needles"]] = {}   # built from the _leak_forms entry it holds
         self.tokens = TokenStore(store)
 
     # -- lifecycle ---------------------------------------------------------
@@ -144,6 +145,7 @@ class Vault:
             self._keys = None
             self._injections.clear()
             self._leak_forms.clear()
+            self._needles.clear()
 
     def close(self) -> None:
         self.seal()
@@ -341,6 +343,7 @@ class Vault:
         self._bindings = by_tenant
         self._injections.clear()
         self._leak_forms.clear()
+        self._needles.clear()
         self._gen = gen
 
     def _versions_rows(self, tenant: str, secret_id: str, states: tuple[str, ...]) -> list[tuple]:
@@ -426,15 +429,30 @@ class Vault:
         """
         if tenant is None:
             return []
-        raw = forms.as_bytes(data)
+        return sorted(self.leak_needles(tenant, sandbox_id).find(forms.as_bytes(data)))
+
+    def leak_needles(self, tenant: str | None, sandbox_id: str, *, exclude: str | None = None) -> "scan.Needles":
+        """A matcher for every placeholder (of this sandbox) and value of `tenant`'s secrets, except
+        the secret `exclude` (the one injected into this very request). For stream checks of bodies.
+        Raises VaultSealed when sealed (the caller fails closed)."""
+        if tenant is None:
+            return scan.Needles(())
         with self._lock:
             self._refresh()
-            keys = self._require_keys()
-            needles = self._leak_forms.get((tenant, sandbox_id))
-            if needles is None:
-                needles = self._build_leak_forms(keys, tenant, sandbox_id)
-                self._leak_forms[(tenant, sandbox_id)] = needles
-        return sorted({sid for sid, fs in needles if forms.contains_any(raw, fs)})
+            entries = self._leak_forms.get((tenant, sandbox_id))
+            if entries is None:
+                # A tenant without secrets has nothing to leak, sealed or not.
+                entries = (self._build_leak_forms(self._require_keys(), tenant, sandbox_id)
+                           if self.list_secrets(tenant) else [])
+                self._leak_forms[(tenant, sandbox_id)] = entries
+            key = (tenant, sandbox_id, exclude)
+            needles = self._needles.get(key)
+            if needles is None or needles[0] is not entries:
+                if len(self._needles) > 4096:
+                    self._needles.clear()
+                needles = (entries, scan.Needles((sid, fs) for sid, fs in entries if sid != exclude))
+                self._needles[key] = needles
+            return needles[1]
 
     def _build_leak_forms(self, keys: KeyRing, tenant: str, sandbox_id: str) -> list[tuple[str, frozenset]]:
         out = []

@@ -16,6 +16,7 @@ import click
 
 from .filters import RecordFilter
 from .index import AuditIndex
+from .record import EVENTS
 from .tail import LogReader, follow
 
 DEFAULT_DIR = "/var/lib/cubegate/audit"
@@ -87,8 +88,7 @@ def _filter_options(f):
         click.option("--host", help="Exact host or *.suffix (subdomains only)."),
         click.option("--decision", type=click.Choice(["allow", "deny"])),
         click.option("--reason", help="Exact decision reason."),
-        click.option("--event", type=click.Choice(
-            ["decision", "connection_closed", "request", "admin", "net_drop", "dns"])),
+        click.option("--event", type=click.Choice(sorted(EVENTS))),
     ]):
         f = opt(f)
     return f

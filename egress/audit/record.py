@@ -13,7 +13,7 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any
 
-EVENTS = frozenset({"decision", "connection_closed", "request", "admin", "net_drop", "dns"})
+EVENTS = frozenset({"decision", "connection_closed", "request", "response", "websocket", "admin", "net_drop", "dns"})
 DECISIONS = frozenset({"allow", "deny"})
 
 _STR = (str,)

@@ -26,7 +26,12 @@ def switch_lab(lab, tmp, policy: str, *, sandbox: str | None, tport: int, prefix
 
     cubevs_state, bpffs = tmp / "cubevs", tmp / "bpf"
     extra = {"proxy": {"listen_host": "0.0.0.0", "transparent_port": tport},
-             "cubevs": {"state_dir": str(cubevs_state)}, **(settings_extra or {})}
+             "cubevs": {"state_dir": str(cubevs_state)}}
+    for key, value in (settings_extra or {}).items():   # one level deep: a caller's proxy keys add to ours
+        if isinstance(value, dict) and isinstance(extra.get(key), dict):
+            extra[key] = {**extra[key], **value}
+        else:
+            extra[key] = value
     gw = Gateway(lab, tmp / "gw", {"main.yaml": policy}, sandboxes={sandbox: {"team": "t"}} if sandbox else None,
                  settings_extra=extra)
     sw = None

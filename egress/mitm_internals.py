@@ -1,0 +1,148 @@
+"""Every reach into mitmproxy's private parts, in one place.
+
+mitmproxy has no public API for these; tests/gateway/test_mitm_internals.py
+fails when an upgrade moves any of them, instead of the gateway silently
+losing a guarantee (a reset that does not happen, an error page that quotes
+upstream bytes again).
+"""
+from __future__ import annotations
+
+import html
+
+from mitmproxy import connection, ctx, http
+from mitmproxy.proxy.layers.http import _http1, _http2, _http3
+
+
+def _handler(client_id: str):
+    ps = ctx.master.addons.get("proxyserver")
+    return ps.connections.get(client_id) if ps is not None else None
+
+
+def client_of(client_id: str) -> connection.Client | None:
+    handler = _handler(client_id)
+    return handler.client if handler is not None else None
+
+
+def connection_io(client_id: str, conn: connection.Connection):
+    """mitmproxy's ConnectionIO (reader, writer, handler task) for one side of a client's flow."""
+    handler = _handler(client_id)
+    return handler.transports.get(conn) if handler is not None else None
+
+
+def transport_of(client_id: str, conn: connection.Connection):
+    io = connection_io(client_id, conn)
+    writer = getattr(io, "writer", None) if io is not None else None
+    return getattr(writer, "transport", None)
+
+
+def close_client(client: connection.Client, *, flush: bool) -> None:
+    """Close a client connection now: the handler's own close, then the socket itself
+    (reset, or closed after the queued bytes when `flush`). The handler's close only
+    cancels its task; a task waiting on one of our hooks would leave the socket open."""
+    handler = _handler(client.id)
+    if handler is None:
+        return
+    transport = transport_of(client.id, client)
+    handler.close_connection(client)
+    if transport is not None and not transport.is_closing():
+        if flush and transport.get_write_buffer_size():
+            transport.close()
+        else:
+            transport.abort()
+
+
+def abort_now(client_id: str, *conns: connection.Connection) -> None:
+    """Reset sockets synchronously, from inside a stream callback: whatever the layer yields
+    after this is written to a closed transport and never reaches the peer."""
+    for conn in conns:
+        transport = transport_of(client_id, conn)
+        if transport is not None and not transport.is_closing():
+            transport.abort()
+
+
+def cancel_server(client_id: str, server: connection.Server, why: str) -> bool:
+    io = connection_io(client_id, server)
+    if io is not None and io.handler is not None:
+        io.handler.cancel(why)
+        return True
+    return False
+
+
+def wrap_reader(client_id: str, conn: connection.Connection, wrap) -> None:
+    io = connection_io(client_id, conn)
+    if io is not None and io.reader is not None:
+        io.reader = wrap(io.reader)
+
+
+def listening_sockets(master) -> list:
+    ps = master.addons.get("proxyserver")
+    out = []
+    for instance in list(ps.servers) if ps is not None else []:
+        for srv in getattr(instance, "_servers", []):
+            out.extend(getattr(srv, "sockets", ()))
+    return out
+
+
+# -- error pages ------------------------------------------------------------------
+# mitmproxy's own error pages put the protocol error's text into the body, and that
+# text quotes the bytes that failed to parse (an upstream header name holding the
+# injected key, a sandbox's request line). Ours say what happened, never what was sent.
+_ERROR_MODULES = (_http1, _http2, _http3)
+
+
+def _format_error(status_code: int, message: str) -> bytes:
+    reason = http.status_codes.RESPONSES.get(status_code, "Error")
+    return (f"cubegate: {status_code} {html.escape(reason)}: the connection could not be relayed "
+            "(protocol error, upstream failure or refusal; see the audit log)\n").encode()
+
+
+def install_safe_error_pages() -> None:
+    for mod in _ERROR_MODULES:
+        mod.format_error = _format_error
+
+
+def safe_error_pages_installed() -> bool:
+    return all(getattr(mod, "format_error", None) is _format_error for mod in _ERROR_MODULES)
+
+
+# -- HTTP/1 trailers ----------------------------------------------------------------
+# mitmproxy 12 raises NotImplementedError when an HTTP/1 message ends with trailers:
+# the connection's task dies and the sandbox waits forever. Turn that into a protocol
+# error, so the message is refused (400 to a sandbox, 502 for an upstream) and closed.
+TRAILERS_REFUSED = "HTTP/1 trailers are not supported"
+
+
+def _trailers_refused_response() -> bytes:
+    from mitmproxy.net.http import http1
+    resp = http.Response.make(400, b"cubegate: request refused: trailers_refused: HTTP/1 trailers are not supported\n",
+                              {"Content-Type": "text/plain; charset=utf-8", "X-Cubegate-Reason": "trailers_refused",
+                               "Connection": "close"})
+    return http1.assemble_response(resp)
+
+
+def install_trailer_refusal() -> None:
+    from mitmproxy.proxy import commands
+    from mitmproxy.proxy.layers.http._base import ReceiveHttp
+
+    cls = _http1.Http1Connection
+    if getattr(cls.read_body, "_cubegate", False):
+        return
+    original = cls.read_body
+
+    def read_body(self, event):
+        try:
+            yield from original(self, event)
+        except NotImplementedError:
+            if isinstance(self, _http1.Http1Server):   # the sandbox's side: it gets an answer
+                yield commands.SendData(self.conn, _trailers_refused_response())
+            # the error first, so the flow's error hook still sees its connection
+            yield ReceiveHttp(self.ReceiveProtocolError(self.stream_id, TRAILERS_REFUSED,
+                                                        code=self.ReceiveProtocolError.code))
+            yield commands.CloseConnection(self.conn)
+
+    read_body._cubegate = True
+    cls.read_body = read_body
+
+
+def trailer_refusal_installed() -> bool:
+    return getattr(_http1.Http1Connection.read_body, "_cubegate", False)
