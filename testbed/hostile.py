@@ -13,7 +13,8 @@ Every connection and request is appended to the --log file as one JSON line
 tell what reached the upstream and what never did. Bodies are read as a stream:
 counted and hashed whole, only the first ``LOGGED_BODY`` bytes are kept (base64).
 
-Routes (query parameters in brackets):
+Routes (the first path segment picks the route, the rest is free for a test's marker;
+query parameters in brackets):
   /echo (default)        JSON of the request, Authorization included (key raw in the body)
   /raw                   key raw in a text body
   /header                key in response headers (X-Leak, Set-Cookie)
@@ -33,7 +34,7 @@ Routes (query parameters in brackets):
   /range                 a body holding the key; honours Range (206 + Content-Range), ETag
   /range-206 [start=0&end=7]  always 206 with that slice, whatever the request asked
   /badname               a response header whose NAME is the key plus invalid bytes (HTTP/1.1)
-  /chunked-split         chunked body, key split across 3-byte chunks, and the key in a trailer
+  /chunked-split [trailer=1]  chunked body, key split across 3-byte chunks (trailer=1: and in a trailer)
   /early-hints           103 Early Hints carrying the key, then 200
   /ws                    WebSocket (HTTP/1.1): sends "Authorization: <value>" as text and as binary,
                          then echoes every message it receives
@@ -199,7 +200,8 @@ def _parse_range(value: str | None, total: int) -> tuple[int, int] | None:
 
 
 def route(req: Request, log: RequestLog) -> Reply:
-    key, q, path = req.key, req.query, req.path
+    # The first path segment picks the route: "/raw/<test marker>" is /raw.
+    key, q, path = req.key, req.query, "/" + req.path.lstrip("/").split("/", 1)[0]
     text = [("Content-Type", "text/plain")]
     if path == "/raw":
         return Reply(200, text, b"here is your key=" + key + b"\n")
@@ -275,12 +277,13 @@ def route(req: Request, log: RequestLog) -> Reply:
     if path == "/chunked-split":
         def raw(h: "H1Handler") -> None:
             data = b"chunk key=" + key + b"\n"
+            trailer = q.get("trailer") == "1"
             out = [b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n"
-                   b"Trailer: X-Trailer-Leak\r\n\r\n"]
+                   + (b"Trailer: X-Trailer-Leak\r\n" if trailer else b"") + b"\r\n"]
             for i in range(0, len(data), 3):
                 piece = data[i:i + 3]
                 out.append(b"%x\r\n%s\r\n" % (len(piece), piece))
-            out.append(b"0\r\nX-Trailer-Leak: " + key + b"\r\n\r\n")
+            out.append(b"0\r\n" + (b"X-Trailer-Leak: " + key + b"\r\n" if trailer else b"") + b"\r\n")
             for part in out:
                 h.wfile.write(part)
                 h.wfile.flush()

@@ -333,7 +333,9 @@ class Sandbox:
         finally:
             sock.close()
         hdrs = [(k.encode(), v.encode()) for k, v in out["headers"]]
-        return Response(wire=out["wire"], status=out["status"], headers=hdrs, body=out["data"],
+        # HPACK hides header bytes on the wire: scan the decoded blocks and the data as well
+        seen = b"".join(k.encode() + b": " + v.encode() + b"\r\n" for k, v in out["all_headers"])
+        return Response(wire=seen + out["data"] + out["wire"], status=out["status"], headers=hdrs, body=out["data"],
                         informational=out["informational"], proto="h2")
 
     def direct_gateway(self, port: int) -> socket.socket:

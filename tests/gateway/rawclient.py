@@ -107,7 +107,8 @@ def h2_request(sock, headers: list[tuple[str, str]], body: bytes = b"", timeout:
     """One HTTP/2 request on an already negotiated h2 socket, headers sent exactly as given
     (pseudo-headers included, no validation: for :authority/host attacks).
 
-    Returns {"status", "headers", "data", "informational", "wire", "reset", "goaway"};
+    Returns {"status", "headers", "data", "informational", "wire", "reset", "goaway", "all_headers"}
+    (all_headers: every header block decoded, 1xx and trailers included);
     status 0 if no final response arrived (reset, GOAWAY, close or timeout).
     """
     import h2.config
@@ -125,7 +126,7 @@ def h2_request(sock, headers: list[tuple[str, str]], body: bytes = b"", timeout:
         conn.send_data(sid, body, end_stream=True)
     sock.sendall(conn.data_to_send())
     out: dict = {"status": 0, "headers": [], "data": b"", "informational": [], "wire": b"",
-                 "reset": None, "goaway": None}
+                 "reset": None, "goaway": None, "all_headers": []}
     wire, data = bytearray(), bytearray()
     sock.settimeout(timeout)
     deadline = time.monotonic() + timeout
@@ -146,6 +147,7 @@ def h2_request(sock, headers: list[tuple[str, str]], body: bytes = b"", timeout:
             if isinstance(ev, (h2.events.ResponseReceived, h2.events.InformationalResponseReceived)) \
                     and ev.stream_id == sid:
                 hdrs = [(k, v) for k, v in ev.headers]
+                out["all_headers"] += hdrs
                 status = int(dict(hdrs).get(":status", "0"))
                 if isinstance(ev, h2.events.InformationalResponseReceived):
                     out["informational"].append(status)
@@ -153,6 +155,7 @@ def h2_request(sock, headers: list[tuple[str, str]], body: bytes = b"", timeout:
                     out["status"], out["headers"] = status, [h for h in hdrs if not h[0].startswith(":")]
             elif isinstance(ev, h2.events.TrailersReceived) and ev.stream_id == sid:
                 out["headers"] += list(ev.headers)
+                out["all_headers"] += list(ev.headers)
             elif isinstance(ev, h2.events.DataReceived) and ev.stream_id == sid:
                 data += ev.data
                 conn.acknowledge_received_data(ev.flow_controlled_length, sid)
