@@ -31,14 +31,26 @@ CAP = 5
 SANDBOXES = ("sb-dl", "sb-slow", "sb-up", "sb-cap", "sb-free")
 
 
-@pytest.fixture(scope="module")
-def xgw(lab, tmp_path_factory):
+def _start_gateway(lab, workdir) -> Gateway:
     hostile = ensure_hostile(lab)
-    gw = Gateway(lab, tmp_path_factory.mktemp("exhaust"), {"main.yaml": POLICY},
-                 sandboxes={sb: {} for sb in SANDBOXES},
+    gw = Gateway(lab, workdir, {"main.yaml": POLICY}, sandboxes={sb: {} for sb in SANDBOXES},
                  settings_extra={"proxy": {"max_connections_per_sandbox": CAP}})
     gw.start()
     gw.hostile = hostile
+    return gw
+
+
+@pytest.fixture(scope="module")
+def xgw(lab, tmp_path_factory):
+    gw = _start_gateway(lab, tmp_path_factory.mktemp("exhaust"))
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture
+def fresh_gw(lab, tmp_path_factory):
+    """One gateway per RSS test: memory a previous transfer left in the allocator would hide growth."""
+    gw = _start_gateway(lab, tmp_path_factory.mktemp("exhaust-rss"))
     yield gw
     gw.stop()
 
@@ -123,6 +135,8 @@ def _download(gw, sb: str, path: str, n: int, stop: threading.Event, deadline: f
         sock.settimeout(5)
         head, rest = _get_head(sock)
         out["status"] = parse_h1(head).status
+        # streamed, not buffered: the first bytes arrive before the upstream has sent everything
+        out["first_bytes_before_upstream_done"] = not gw.hostile.events("sent", path=path)
         count, intact = len(rest), rest.count(b"x") == len(rest)
         while count < n and not stop.is_set() and time.monotonic() < deadline:
             try:
@@ -140,7 +154,8 @@ def _download(gw, sb: str, path: str, n: int, stop: threading.Event, deadline: f
         sock.close()
 
 
-def test_three_parallel_256mib_downloads_stream_in_bounded_memory(xgw):
+def test_three_parallel_256mib_downloads_stream_in_bounded_memory(fresh_gw):
+    xgw = fresh_gw
     results = [dict() for _ in range(3)]
     deadline = time.monotonic() + 60
     with RssWatch(xgw) as watch:
@@ -154,9 +169,11 @@ def test_three_parallel_256mib_downloads_stream_in_bounded_memory(xgw):
     assert watch.growth <= RSS_LIMIT, f"gateway RSS grew by {watch.growth / MIB:.0f} MiB (limit 64)"
     for r in results:
         assert r.get("status") == 200 and r.get("count") == SIZE and r.get("intact"), results
+        assert r["first_bytes_before_upstream_done"], "the gateway buffered the whole download"
 
 
-def test_client_that_never_reads_is_backpressured(xgw):
+def test_client_that_never_reads_is_backpressured(fresh_gw):
+    xgw = fresh_gw
     marker = f"/bytes/stall-{uuid.uuid4().hex[:8]}"
     sock = _proxy_sock(xgw)
     try:
@@ -182,11 +199,12 @@ def test_client_that_never_reads_is_backpressured(xgw):
     assert not completed, "the gateway read the whole 256 MiB from the upstream for a client that reads nothing"
 
 
-def test_256mib_upload_streams_to_the_upstream(xgw):
+def test_256mib_upload_streams_to_the_upstream(fresh_gw):
+    xgw = fresh_gw
     marker = f"/upload-{uuid.uuid4().hex[:8]}"
     block = b"u" * MIB
     sock = _proxy_sock(xgw)
-    sent = 0
+    sent, head_early = 0, False
     try:
         with RssWatch(xgw) as watch:
             sock.sendall(f"POST http://{SINK}{marker} HTTP/1.1\r\nHost: {SINK}\r\n{_auth(xgw, 'sb-up')}\r\n"
@@ -197,6 +215,12 @@ def test_256mib_upload_streams_to_the_upstream(xgw):
             while sent < SIZE and not watch.exceeded.is_set() and time.monotonic() < deadline:
                 sock.sendall(block)
                 sent += len(block)
+                if sent == 32 * MIB:
+                    # streamed, not buffered: the upstream has the request before the body is complete
+                    t_head = time.monotonic() + 5
+                    while not xgw.hostile.requests(marker) and time.monotonic() < t_head:
+                        time.sleep(0.05)
+                    head_early = bool(xgw.hostile.requests(marker))
             resp = parse_h1(rawclient.recv_all(sock, 10)) if sent == SIZE else None
     except OSError as e:
         resp = None
@@ -204,6 +228,7 @@ def test_256mib_upload_streams_to_the_upstream(xgw):
     finally:
         sock.close()
     assert watch.growth <= RSS_LIMIT, f"gateway RSS grew by {watch.growth / MIB:.0f} MiB during a 256 MiB upload"
+    assert head_early, "the upstream saw nothing after 32 MiB of the upload: the gateway buffers it"
     assert resp is not None and resp.status == 200, resp
     got = xgw.hostile.requests(marker)
     assert len(got) == 1 and got[0]["body_len"] == SIZE and got[0]["body_complete"], got
