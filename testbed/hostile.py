@@ -45,13 +45,12 @@ from __future__ import annotations
 
 import argparse
 import base64
-import brotli
 import gzip
 import hashlib
 import json
 import signal
-import socket
 import ssl
+import subprocess
 import sys
 import threading
 import time
@@ -61,6 +60,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, quote, urlsplit
+
+import brotli
 
 LOGGED_BODY = 1 << 20
 MAX_BYTES = 1 << 30
@@ -717,7 +718,6 @@ def ensure_hostile(lab) -> HostileUpstream:
         argv += ["--bind", ip]
     for port in EXTRA_PORTS:
         argv += ["--extra-port", str(port)]
-    import subprocess
     popen = lab.spawn_net(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
     deadline = time.monotonic() + 10
     line = ""

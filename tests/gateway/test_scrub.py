@@ -6,6 +6,7 @@ scans every byte the sandbox received (headers, 1xx, trailers, decoded bodies) f
 key raw, base64 at every offset, percent-, JSON- and hex-encoded."""
 from __future__ import annotations
 
+import base64
 import threading
 import time
 import uuid
@@ -216,7 +217,6 @@ def test_websocket_secret_toward_upstream_closes_and_is_audited(env, mode, what,
         sock.close()
     rid = _injected(env, marker)["rid"]
     for m in env.hostile.events("ws_message", rid=rid):
-        import base64
         assert_never_leaked(base64.b64decode(m["data_b64"]), value, what="message the upstream received")
     env.gw.wait_record(lambda r: r.get("reason") == "credential_leak"
                        and sum(1 for x in env.gw.audit_records() if x.get("reason") == "credential_leak") > before,
