@@ -101,3 +101,154 @@ def slow_clients(port: int, n: int, hold_seconds: float) -> int:
     finally:
         for s in socks:
             s.close()
+
+
+def h2_request(sock, headers: list[tuple[str, str]], body: bytes = b"", timeout: float = 5.0) -> dict:
+    """One HTTP/2 request on an already negotiated h2 socket, headers sent exactly as given
+    (pseudo-headers included, no validation: for :authority/host attacks).
+
+    Returns {"status", "headers", "data", "informational", "wire", "reset", "goaway", "all_headers"}
+    (all_headers: every header block decoded, 1xx and trailers included);
+    status 0 if no final response arrived (reset, GOAWAY, close or timeout).
+    """
+    import h2.config
+    import h2.connection
+    import h2.events
+    import h2.exceptions
+
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(
+        client_side=True, header_encoding="utf-8", validate_outbound_headers=False,
+        normalize_outbound_headers=False, validate_inbound_headers=False))
+    conn.initiate_connection()
+    sid = conn.get_next_available_stream_id()
+    conn.send_headers(sid, headers, end_stream=not body)
+    if body:
+        conn.send_data(sid, body, end_stream=True)
+    sock.sendall(conn.data_to_send())
+    out: dict = {"status": 0, "headers": [], "data": b"", "informational": [], "wire": b"",
+                 "reset": None, "goaway": None, "all_headers": []}
+    wire, data = bytearray(), bytearray()
+    sock.settimeout(timeout)
+    deadline = time.monotonic() + timeout
+    done = False
+    while not done and time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(65536)
+        except (socket.timeout, OSError):
+            break
+        if not chunk:
+            break
+        wire += chunk
+        try:
+            events = conn.receive_data(chunk)
+        except h2.exceptions.ProtocolError:
+            break
+        for ev in events:
+            if isinstance(ev, (h2.events.ResponseReceived, h2.events.InformationalResponseReceived)) \
+                    and ev.stream_id == sid:
+                hdrs = [(k, v) for k, v in ev.headers]
+                out["all_headers"] += hdrs
+                status = int(dict(hdrs).get(":status", "0"))
+                if isinstance(ev, h2.events.InformationalResponseReceived):
+                    out["informational"].append(status)
+                else:
+                    out["status"], out["headers"] = status, [h for h in hdrs if not h[0].startswith(":")]
+            elif isinstance(ev, h2.events.TrailersReceived) and ev.stream_id == sid:
+                out["headers"] += list(ev.headers)
+                out["all_headers"] += list(ev.headers)
+            elif isinstance(ev, h2.events.DataReceived) and ev.stream_id == sid:
+                data += ev.data
+                conn.acknowledge_received_data(ev.flow_controlled_length, sid)
+            elif isinstance(ev, h2.events.StreamEnded) and ev.stream_id == sid:
+                done = True
+            elif isinstance(ev, h2.events.StreamReset) and ev.stream_id == sid:
+                out["reset"] = ev.error_code
+                done = True
+            elif isinstance(ev, h2.events.ConnectionTerminated):
+                out["goaway"] = ev.error_code
+                done = True
+        pending = conn.data_to_send()
+        if pending:
+            try:
+                sock.sendall(pending)
+            except OSError:
+                break
+    out["wire"], out["data"] = bytes(wire), bytes(data)
+    return out
+
+
+class WebSocketClient:
+    """A WebSocket client (wsproto) over an already connected (TLS) socket."""
+
+    def __init__(self, sock, host: str, path: str, timeout: float = 5.0):
+        from wsproto import WSConnection
+        from wsproto.connection import ConnectionType
+        from wsproto.events import Request
+
+        self.sock, self.timeout = sock, timeout
+        self.ws = WSConnection(ConnectionType.CLIENT)
+        self.wire = bytearray()            # every byte received (handshake included)
+        self.closed = False
+        self.close_code = None
+        self.accepted = False
+        self.rejected_status = None
+        self.messages: list[bytes | str] = []
+        sock.settimeout(timeout)
+        sock.sendall(self.ws.send(Request(host=host, target=path)))
+        self._pump(until=lambda: self.accepted or self.closed or self.rejected_status is not None)
+
+    def _pump(self, until) -> None:
+        from wsproto.events import (AcceptConnection, BytesMessage, CloseConnection, Ping, RejectConnection,
+                                    TextMessage)
+
+        deadline = time.monotonic() + self.timeout
+        partial: dict[type, list] = {TextMessage: [], BytesMessage: []}
+        while not until() and time.monotonic() < deadline:
+            try:
+                data = self.sock.recv(65536)
+            except (socket.timeout, OSError):
+                data = b""
+            if not data:
+                self.closed = True
+                break
+            self.wire += data
+            try:
+                self.ws.receive_data(data)
+                events = list(self.ws.events())
+            except Exception:  # noqa: BLE001 - a protocol error ends the connection for us
+                self.closed = True
+                break
+            for ev in events:
+                if isinstance(ev, AcceptConnection):
+                    self.accepted = True
+                elif isinstance(ev, RejectConnection):
+                    self.rejected_status = ev.status_code
+                elif isinstance(ev, (TextMessage, BytesMessage)):
+                    partial[type(ev)].append(ev.data)
+                    if ev.message_finished:
+                        parts = partial[type(ev)]
+                        self.messages.append("".join(parts) if isinstance(ev, TextMessage) else b"".join(parts))
+                        parts.clear()
+                elif isinstance(ev, Ping):
+                    self.sock.sendall(self.ws.send(ev.response()))
+                elif isinstance(ev, CloseConnection):
+                    self.closed, self.close_code = True, ev.code
+
+    def receive(self, count: int) -> list:
+        self._pump(until=lambda: len(self.messages) >= count or self.closed)
+        return self.messages
+
+    def send(self, message: bytes | str) -> bool:
+        from wsproto.events import BytesMessage, TextMessage
+
+        event = TextMessage(data=message) if isinstance(message, str) else BytesMessage(data=message)
+        try:
+            self.sock.sendall(self.ws.send(event))
+            return True
+        except OSError:
+            self.closed = True
+            return False
+
+    def wait_closed(self) -> bool:
+        self._pump(until=lambda: self.closed)
+        return self.closed
