@@ -26,6 +26,7 @@ from egress.policy.reload import PolicyStore
 
 import vault as vaultlib
 from cubegate.settings import Settings
+from cubegate.supervise import Supervisor
 
 log = logging.getLogger("cubegate.daemon")
 
@@ -38,7 +39,8 @@ class Daemon:
         self.master = None
         self.ops_server = None
         self._stop = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
+        self.supervisor = Supervisor()   # every long-running task: a dead one turns /readyz 503
+        self._master_task: asyncio.Task | None = None
         self._uninstall_resolver = None
 
     # ------------------------------------------------------------------ start
@@ -95,12 +97,23 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self.reload_policy)
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
-        self._tasks.append(asyncio.create_task(self._policy_watch(s.policy_poll_seconds), name="policy-watch"))
-        self._tasks.append(asyncio.create_task(self._index_loop(), name="audit-index"))
+        sup = self.supervisor
+        sup.start("policy-watch", self._policy_watch(s.policy_poll_seconds))
+        sup.start("audit-index", self._index_loop())
+        if self._netwatch is not None:
+            sup.watch("netwatch", self._netwatch.task)
+        if self._dns is not None:
+            sup.start("sandbox-dns", self._dns.serve())
         from egress.engine import widen_listen_backlog  # bursts of connects must not be dropped
-        self._tasks.append(asyncio.create_task(widen_listen_backlog(self.master), name="listen-backlog"))
-        # (the mitmproxy task stays last: run() watches self._tasks[-1])
-        self._tasks.append(asyncio.create_task(self.master.run(), name="mitmproxy"))
+        sup.start("listen-backlog", widen_listen_backlog(self.master), forever=False)
+        self._master_task = sup.start("mitmproxy", self._run_master())   # run() stops the daemon when it ends
+
+    async def _run_master(self) -> None:
+        try:
+            await self.master.run()
+        except SystemExit as e:  # mitmproxy's errorcheck: an ERROR was logged during startup
+            # (an exception, not SystemExit, so the daemon stops in order instead of the loop dying)
+            raise RuntimeError(f"mitmproxy exited ({e.code}): an error was logged during startup") from None
 
     def _open_vault(self):
         """Open and unseal the vault if one exists. Without a vault file no host is bound."""
@@ -162,6 +175,7 @@ class Daemon:
         self.readiness.add("listeners", lambda: listeners_bound(self.master))
         self.readiness.add("vault", self._vault_ready)
         self.readiness.add("audit", lambda: (self.audit.writable(), str(self.settings.audit_dir)))
+        self.readiness.add("tasks", self.supervisor.check)
 
     def _vault_ready(self) -> tuple[bool, str]:
         if self.vault is None:
@@ -198,13 +212,16 @@ class Daemon:
         log.info("cubegate gateway: explicit proxy on %s:%s, ops on %s:%s",
                  self.settings.proxy.listen_host, self.settings.proxy.explicit_port,
                  self.settings.ops.listen_host, self.settings.ops.port)
-        master_task = self._tasks[-1]
         stop_task = asyncio.create_task(self._stop.wait())
-        await asyncio.wait({master_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({self._master_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        stop_task.cancel()
+        failed = self._master_task.done() and not self._master_task.cancelled() \
+            and self._master_task.exception() is not None
         await self.stop()
-        return 0
+        return 1 if failed or self.supervisor.dead else 0
 
     async def stop(self) -> None:
+        self.supervisor.begin_stop()
         if self.master is not None:
             # Graceful drain (egress/drain.py): all listeners closed first so a new
             # gateway can bind, in-flight flows finish up to proxy.drain_seconds.
@@ -216,9 +233,7 @@ class Daemon:
             self.ops_server.stop()
         if getattr(self, "vault_api", None) is not None:
             self.vault_api.stop()
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.supervisor.stop()
         from cubegate import sandbox_dns
         await sandbox_dns.stop_for(getattr(self, "_dns", None))
         from cubegate import netwatch
