@@ -119,22 +119,18 @@ class Daemon:
         """Open and unseal the vault if one exists. Without a vault file no host is bound."""
         s = self.settings
         self.vault = None
+        # The key sources leave our environment at once: child processes (sandboxes, qemu) must never inherit them.
+        key_env = {k: os.environ.pop(k) for k in vaultlib.KEY_ENV_VARS if k in os.environ}
         if not s.vault_db.exists():
             log.info("no vault at %s: credential injection disabled", s.vault_db)
             return
         from egress.credentials import host_policy_check_for
         self.vault = vaultlib.Vault.open(s.vault_db, host_policy_check=host_policy_check_for(lambda: self.policies.current))
-        key = vaultlib.key_from_env()
-        # Out of our environment at once: child processes (sandboxes, qemu) must never inherit it.
-        os.environ.pop("CUBEGATE_VAULT_KEY", None)
         try:
-            if key is not None:
-                self.vault.unseal(key)
-            elif s.vault_key_file.exists():
-                self.vault.unseal_with_key_file(s.vault_key_file)
-            else:
-                log.warning("vault %s stays sealed: no key file %s and no CUBEGATE_VAULT_KEY; "
-                            "bound requests get 503 until it is unsealed", s.vault_db, s.vault_key_file)
+            source = vaultlib.unseal_from(self.vault, s.vault_key_file, environ=key_env)
+            log.info("vault %s unsealed (key from %s)", s.vault_db, source)
+        except vaultlib.NoKeySource as e:
+            log.warning("vault %s stays sealed: %s; bound requests get 503 until it is unsealed", s.vault_db, e)
         except vaultlib.VaultError as e:
             log.error("vault stays sealed: %s", e)
 
