@@ -46,7 +46,8 @@ class _State:
         vault = Vault.open(self.db, host_policy_check=self.host_policy_check)
         if unseal:
             try:
-                unseal_from(vault, self.key_file, prompt=lambda: _passphrase(confirm=False))
+                interactive = sys.stdin.isatty()
+                unseal_from(vault, self.key_file, prompt=(lambda: _passphrase(confirm=False)) if interactive else None)
             except VaultError:
                 vault.close()
                 raise
@@ -66,6 +67,8 @@ def _run(fn):
         return fn()
     except (VaultError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    except OSError as e:   # e.g. the vault's directory does not exist
+        raise click.ClickException(f"{e.filename or 'vault'}: {e.strerror}") from None
 
 
 def _read_value(from_file: str | None) -> bytes:
