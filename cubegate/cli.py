@@ -44,6 +44,55 @@ def run(ctx: click.Context, log_level: str) -> None:
     sys.exit(rc)
 
 
+@main.command()
+@click.option("--state-dir", "state_dir", type=click.Path(file_okay=False),
+              help="Where state goes (default: the global --state-dir, else the settings' state_dir).")
+@click.pass_context
+def init(ctx: click.Context, state_dir: str | None) -> None:
+    """Create settings, state dir, interception CA and vault key (0600); never replaces what exists."""
+    from pathlib import Path
+
+    from cubegate.host_setup import init_host, next_steps
+    from cubegate.settings import SettingsError
+
+    cc = cli_context(ctx)
+    state = Path(state_dir or cc.state_dir or (cc.settings.state_dir if cc.config else "/var/lib/cubegate"))
+    settings_path = Path(cc.config) if cc.config else state / "settings.yaml"
+    try:
+        rep = init_host(state, settings_path)
+    except (SettingsError, OSError) as e:
+        raise click.ClickException(str(e))
+    for what in rep.created:
+        click.echo(f"created  {what}")
+    for what in rep.kept:
+        click.echo(f"kept     {what}")
+    for what in rep.warnings:
+        click.echo(f"warning: {what}", err=True)
+    click.echo("")
+    click.echo(next_steps(settings_path.absolute()), nl=False)
+
+
+@main.group()
+def ca() -> None:
+    """The gateway's interception CA."""
+
+
+@ca.command("env")
+@click.pass_context
+def ca_env(ctx: click.Context) -> None:
+    """Print shell variables that make common toolchains trust the gateway's CA (eval "$(cubegate ca env)")."""
+    from cubegate.host_setup import BUNDLE_NAME, ca_env_text, system_ca_bundle, write_bundle
+    from egress.mitm_ca import ca_paths
+
+    s = _settings(ctx)
+    ca_cert = ca_paths(s.ca_dir)[1]
+    if not ca_cert.exists():
+        raise click.ClickException(f"no CA at {ca_cert}: run `cubegate init` (or start the daemon once)")
+    system = system_ca_bundle()
+    bundle = write_bundle(ca_cert, s.ca_dir / BUNDLE_NAME, system)
+    click.echo(ca_env_text(bundle, ca_cert, system), nl=False)
+
+
 # ------------------------------------------------------------------- policy
 @main.group()
 def policy() -> None:
