@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cubevs import bpf_loader, netns  # noqa: E402
+from cubevs import datapath, libbpf, netns  # noqa: E402
 from cubevs.switch import Switch  # noqa: E402
 
 GW = "10.200.0.1"
@@ -52,8 +52,8 @@ class Hub:
             if name.startswith(self.tag):
                 netns.remove(name)
         if os.path.isdir(f"{self.tmp}/bpf"):
-            bpf_loader.remove_pins(f"{self.tmp}/bpf")
-            bpf_loader.umount_bpffs(f"{self.tmp}/bpf")
+            datapath.remove_pins(f"{self.tmp}/bpf")
+            libbpf.umount_bpffs(f"{self.tmp}/bpf")
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 

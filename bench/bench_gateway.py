@@ -1,249 +1,429 @@
-"""Per-connection cost of the real cubegate gateway next to tinyproxy and a direct connection.
+"""cubegate's data path next to squid, tinyproxy and stock mitmdump, with a native client.
 
-Run (root; builds a lab, removes it at the end):
+Run (root; builds a lab, removes it and every process at the end, also on failure):
 
-    .venv/bin/python bench/bench_gateway.py [--requests 300] [--seconds 20] [--concurrency 4]
+    .venv/bin/python bench/bench_gateway.py [--requests 1000] [--concurrency 10] [--workers 1,2]
+        [--proxies squid,tinyproxy,mitmdump,cubegate] [--scenarios passthrough-new,...]
+        [--out .cache/bench/bench_gateway]       # writes <out>.md and <out>.json
+        [--profile]                              # py-spy samples of cubegate's rows (pip install py-spy)
 
-Scenarios, each a bounded run (count and time) of new connections from a pool
-of Python client threads inside the lab's gw namespace:
+All in one lab and one run: `hey` (apt, Go) in the gw namespace is the client,
+nginx (apt nginx-light) in the "internet" namespace is the upstream (HTTP :80,
+HTTPS :443 with the lab's test CA). Each proxy is started with a temporary
+config, measured on the scenarios that apply to it, then stopped:
 
-  direct      TLS to 198.18.0.10:443 (SNI api.allowed.test), GET /       reference
-  tinyproxy   CONNECT api.allowed.test:443, then TLS + GET /             reference proxy
-  cubegate    CONNECT with Proxy-Authorization, passthrough, TLS + GET / (verified against the lab CA,
-              so an intercepted connection would fail, not be counted)
-  cg-deny     CONNECT denied.test:443 with Proxy-Authorization -> 403
+  passthrough-new  CONNECT + TLS end to end, a new connection per request (hey -disable-keepalive)
+  passthrough-ka   the same, keep-alive (tunnels reused)
+  deny             CONNECT to a denied host, answered 403 (new connection each)
+  plain-ka         plain HTTP through the proxy, keep-alive
+  mitm-ka          intercepted TLS, keep-alive; cubegate injects a credential from its vault,
+                   stock mitmdump only intercepts
+  mitm-new         the same, a new connection per request
 
-Clients are Python (GIL-bound, one process), so absolute figures include
-client cost; compare the rows, not the numbers with other tools.
+cubegate runs once per --workers value (proxy.workers); while the gateway does
+not know that setting, workers=1 is its one process and other counts are n/a.
+
+Per row: req/s; p50/p99 (hey -o csv, per request; none for refusals);
+proxy CPU per request (utime+stime of the proxy's whole process tree from
+/proc, before/after, divided by requests); upstream connections per request
+(nginx's accepted-connection counter: tunnels and upstream dials); CPU ratio
+to squid and, for interception, to stock mitmdump. Before each row one curl
+through the proxy checks that the row is what it says (passthrough verified
+against the lab CA, interception against the proxy's CA, the credential seen
+injected by nginx, deny answered 403) and warms the path (leaf certificate).
+The machine is shared: read ratios measured in the same run, not absolutes.
 """
 from __future__ import annotations
 
 import argparse
-import base64
-import http.client
-import shutil
-import socket
-import ssl
+import json
+import os
+import platform
+import shlex
+import signal
 import subprocess
 import sys
-import threading
+import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
+from bench import hey, pyspy  # noqa: E402
+from bench.nginx_upstream import NginxUpstream  # noqa: E402
+from bench.proctree import tree_cpu_seconds  # noqa: E402
+from bench.proxies import (DENIED_HOST, INJECTED_AUTH, MITM_HOST, PASS_HOST, PLAIN_HOST,  # noqa: E402
+                           Cubegate, Mitmdump, Proxy, Squid, Tinyproxy, gateway_knows_workers)
 from testbed.lab import Lab  # noqa: E402
-from tests.gateway.harness import Gateway  # noqa: E402
-from tests.gateway.rawclient import read_head  # noqa: E402
 
-HOST = "api.allowed.test"
-HOST_IP = "198.18.0.10"
-DENIED = "denied.test"
-TINYPROXY_PORT = 18888
-IO_TIMEOUT = 5.0
-WARMUP = 10
-
-POLICY = """\
-name: bench
-default: deny
-rules:
-  - name: api
-    action: allow
-    match: {hosts: [api.allowed.test], ports: [443]}
-  - name: denied
-    action: deny
-    match: {hosts: [denied.test]}
-"""
-
-TINYPROXY_CONF = """\
-Port {port}
-Listen 127.0.0.1
-User nobody
-Group nogroup
-Timeout 30
-MaxClients 100
-LogLevel Error
-"""
+UPSTREAM_IP = "198.18.0.30"
+QUIET_POLL_S = 0.1
+QUIET_MAX_S = 3.0
 
 
-# ------------------------------------------------------------------ clients (run in the gw netns)
-def _status(head: bytes) -> int:
-    try:
-        return int(head.split(b" ", 2)[1])
-    except (IndexError, ValueError):
-        return 0
+@dataclass(frozen=True)
+class Scenario:
+    key: str
+    title: str
+    url: str
+    keepalive: bool
+    refused: bool = False          # the proxy must refuse every request
+    intercepted: bool = False      # the proxy terminates TLS (probe trusts its CA)
 
 
-def _https_get(sock: socket.socket, ctx: ssl.SSLContext) -> int:
-    with ctx.wrap_socket(sock, server_hostname=HOST) as tls:
-        tls.sendall(f"GET / HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n".encode())
-        resp = http.client.HTTPResponse(tls)
-        resp.begin()
-        resp.read()
-        return resp.status
+SCENARIOS = [
+    Scenario("passthrough-new", "passthrough (CONNECT), new connection each", f"https://{PASS_HOST}/", False),
+    Scenario("passthrough-ka", "passthrough (CONNECT), keep-alive", f"https://{PASS_HOST}/", True),
+    Scenario("deny", "deny at CONNECT (403)", f"https://{DENIED_HOST}/", False, refused=True),
+    Scenario("plain-ka", "plain HTTP, keep-alive", f"http://{PLAIN_HOST}/", True),
+    Scenario("mitm-ka", "MITM (+ credential injection for cubegate), keep-alive", f"https://{MITM_HOST}/",
+             True, intercepted=True),
+    Scenario("mitm-new", "MITM (+ credential injection for cubegate), new connection each",
+             f"https://{MITM_HOST}/", False, intercepted=True),
+]
+BY_KEY = {s.key: s for s in SCENARIOS}
+PROXY_ORDER = ["squid", "tinyproxy", "mitmdump", "cubegate"]
 
 
-def _connect(port: int, target: str, auth: str | None) -> tuple[socket.socket, int]:
-    s = socket.create_connection(("127.0.0.1", port), timeout=IO_TIMEOUT)
-    extra = f"Proxy-Authorization: {auth}\r\n" if auth else ""
-    s.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{extra}\r\n".encode())
-    return s, _status(read_head(s))
+@dataclass
+class Row:
+    scenario: str
+    proxy: str
+    workers: str = ""              # "" for references; "1", "2", ...
+    status: str = "ok"             # ok | failed | n/a
+    note: str = ""
+    sent: int = 0
+    answered: int = 0
+    rps: float | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    cpu_ms_per_req: float | None = None
+    cpu_s: float | None = None
+    upstream_conns: int | None = None
+    upstream_conns_per_req: float | None = None
+    upstream_requests: int | None = None
+    injected: int | None = None
+    errors: dict[str, int] = field(default_factory=dict)
+    vs_squid_cpu: float | None = None
+    vs_mitmdump_cpu: float | None = None
 
 
-def one_request(kind: str, ctx: ssl.SSLContext, port: int, auth: str | None) -> bool:
-    """One new connection; True if it got the expected answer."""
-    if kind == "direct":
-        s = socket.create_connection((HOST_IP, 443), timeout=IO_TIMEOUT)
+# ------------------------------------------------------------------ one row
+def probe(lab, proxy: Proxy, sc: Scenario) -> str | None:
+    """One curl through the proxy; None if the path is what the row claims, else why not."""
+    argv = ["-x", proxy.url, "-o", "/dev/null", "-w", "%{http_code} %{http_connect}"]
+    ca = proxy.mitm_ca if sc.intercepted else lab.ca.bundle_path
+    if sc.url.startswith("https://"):
+        argv += ["--cacert", str(ca)]
+    r = lab.curl(*argv, sc.url, cacert=False, lab_dns=False)
+    want = "000 403" if sc.refused else ("200 000" if sc.url.startswith("http://") else "200 200")
+    got = r.stdout.strip()
+    return None if got == want else f"probe: curl got '{got}' (want '{want}'): {r.stderr.strip()[:200]}"
+
+
+def wait_quiet(pid: int) -> float:
+    """Wait until the proxy stops burning CPU (closing connections, audit), at most QUIET_MAX_S."""
+    last, deadline = tree_cpu_seconds(pid), time.monotonic() + QUIET_MAX_S
+    still = 0
+    while time.monotonic() < deadline and still < 2:
+        time.sleep(QUIET_POLL_S)
+        now = tree_cpu_seconds(pid)
+        still = still + 1 if now == last else 0
+        last = now
+    return last
+
+
+def measure(lab, upstream: NginxUpstream, proxy: Proxy, sc: Scenario, requests: int,
+            concurrency: int, profile_to: Path | None = None) -> Row:
+    row = Row(sc.key, proxy.name, str(proxy.workers) if proxy.workers else "")
+    why = probe(lab, proxy, sc)
+    if why:
+        row.status, row.note = "failed", why
+        return row
+    sent = hey.sent_count(requests, concurrency)
+    argv = hey.argv(sc.url, requests=requests, concurrency=concurrency, proxy=proxy.url,
+                    keepalive=sc.keepalive, csv=not sc.refused)
+    accepted0, offset0 = upstream.accepted(), upstream.log_offset()
+    sampler = pyspy.Recorder(proxy.pid, profile_to) if profile_to else nullcontext()
+    with sampler:
+        cpu0 = tree_cpu_seconds(proxy.pid)
         try:
-            return _https_get(s, ctx) == 200
-        finally:
-            s.close()
-    if kind == "deny":
-        s, code = _connect(port, f"{DENIED}:443", auth)
-        s.close()
-        return code == 403
-    s, code = _connect(port, f"{HOST}:443", auth)
-    try:
-        return code == 200 and _https_get(s, ctx) == 200
-    finally:
-        s.close()
-
-
-def run_scenario(kind: str, cafile: str, port: int, auth: str | None, requests: int,
-                 seconds: float, concurrency: int) -> dict:
-    """Runs inside the gw namespace; threads created here inherit it."""
-    ctx = ssl.create_default_context(cafile=cafile)
-    for _ in range(WARMUP):
-        one_request(kind, ctx, port, auth)
-    lock = threading.Lock()
-    state = {"issued": 0}
-    lat: list[float] = []
-    errors: list[str] = []
-    deadline = time.perf_counter() + seconds
-
-    def worker() -> None:
-        while True:
-            with lock:
-                if state["issued"] >= requests or time.perf_counter() > deadline:
-                    return
-                state["issued"] += 1
-            t0 = time.perf_counter()
-            try:
-                ok = one_request(kind, ctx, port, auth)
-                err = None if ok else "unexpected status"
-            except (OSError, ssl.SSLError, http.client.HTTPException) as e:
-                err = f"{type(e).__name__}: {e}"
-            dt = time.perf_counter() - t0
-            with lock:
-                if err:
-                    errors.append(err)
-                else:
-                    lat.append(dt)
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        for f in [pool.submit(worker) for _ in range(concurrency)]:
-            f.result()
-    wall = time.perf_counter() - t0
-    return {"ok": len(lat), "errors": len(errors), "first_error": errors[0] if errors else "",
-            "wall": wall, "lat": lat, "capped": state["issued"] < requests}
-
-
-# ------------------------------------------------------------------ orchestration
-def _pct(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(p / 100 * len(s)) - 1))]
-
-
-def _start_tinyproxy(lab: Lab, workdir: Path) -> subprocess.Popen:
-    conf = workdir / "tinyproxy.conf"
-    conf.write_text(TINYPROXY_CONF.format(port=TINYPROXY_PORT))
-    log = open(workdir / "tinyproxy.log", "ab")
-    proc = lab.spawn_gw([shutil.which("tinyproxy") or "tinyproxy", "-d", "-c", str(conf)],
-                        stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"tinyproxy exited {proc.returncode}: {(workdir / 'tinyproxy.log').read_text()}")
-        try:
-            lab.call_gw(lambda: socket.create_connection(("127.0.0.1", TINYPROXY_PORT), timeout=1).close(),
-                        timeout=5)
-            return proc
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError("tinyproxy did not listen within 10 s")
-
-
-def _stop(proc: subprocess.Popen | None) -> None:
-    if proc and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(5)
+            out = lab.run_gw(argv, lab_dns=False, timeout=30 + requests * 0.1)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+            row.status, row.note = "failed", "hey timed out"
+            return row
+        cpu1 = wait_quiet(proxy.pid)
+    if profile_to:
+        row.note = "profiled with py-spy (it shares the 2 cores)"
+    conns = upstream.accepted() - accepted0
+    lines = upstream.log_lines(offset0)
+    if out.returncode != 0:
+        row.status, row.note = "failed", f"hey exit {out.returncode}: {out.stderr.strip()[:300]}"
+        return row
+    res = hey.parse_summary(out.stdout, sent) if sc.refused else hey.parse_csv(out.stdout, sent)
+    row.sent, row.answered, row.errors = res.sent, res.answered, res.errors
+    row.rps = res.rps
+    p50, p99 = res.p(50), res.p(99)
+    row.p50_ms = p50 * 1000 if p50 is not None else None
+    row.p99_ms = p99 * 1000 if p99 is not None else None
+    row.cpu_s = cpu1 - cpu0
+    row.cpu_ms_per_req = row.cpu_s * 1000 / sent
+    row.upstream_conns, row.upstream_conns_per_req = conns, conns / sent
+    row.upstream_requests = len(lines)
+    row.injected = sum(1 for l in lines if len(l) > 2 and l[2] == "injected")
+    problems = check(row, sc, proxy)
+    if problems:
+        row.status, row.note = "failed", "; ".join([*problems, row.note] if row.note else problems)
+    return row
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=300, help="requests per scenario")
-    ap.add_argument("--seconds", type=float, default=20.0, help="time cap per scenario")
-    ap.add_argument("--concurrency", type=int, default=4)
-    args = ap.parse_args()
+def check(row: Row, sc: Scenario, proxy: Proxy) -> list[str]:
+    """What makes the row's figures mean what its title says."""
+    out = []
+    if sc.refused:
+        if row.answered or sum(row.errors.values()) != row.sent:
+            out.append(f"{row.answered} answered, errors {row.errors}")
+        if row.upstream_conns:
+            out.append(f"denied host contacted {row.upstream_conns} times")
+        return out
+    if row.answered != row.sent:
+        out.append(f"{row.sent - row.answered} of {row.sent} failed")
+    if row.upstream_requests != row.sent:
+        out.append(f"upstream saw {row.upstream_requests} requests, not {row.sent}")
+    want_injected = row.sent if (sc.intercepted and proxy.name == "cubegate") else 0
+    if row.injected != want_injected:
+        out.append(f"credential injected {row.injected} times, expected {want_injected}")
+    return out
 
-    t_all = time.perf_counter()
-    results: dict[str, dict] = {}
+
+# ------------------------------------------------------------------ the run
+def add_ratios(rows: list[Row]) -> None:
+    ref = {(r.proxy, r.scenario): r for r in rows if r.status == "ok" and not r.workers}
+    for r in rows:
+        if r.cpu_ms_per_req is None or r.status != "ok":
+            continue
+        squid = ref.get(("squid", r.scenario))
+        if squid and squid.cpu_ms_per_req and r.proxy != "squid":
+            r.vs_squid_cpu = r.cpu_ms_per_req / squid.cpu_ms_per_req
+        mitm = ref.get(("mitmdump", r.scenario))
+        if BY_KEY[r.scenario].intercepted and mitm and mitm.cpu_ms_per_req and r.proxy != "mitmdump":
+            r.vs_mitmdump_cpu = r.cpu_ms_per_req / mitm.cpu_ms_per_req
+
+
+def build_proxies(lab, workdir: Path, names: list[str], workers: list[int]) -> list[tuple[Proxy | None, str]]:
+    """(proxy, n/a reason) in run order; a None proxy stands for n/a rows."""
+    out: list[tuple[Proxy | None, str]] = []
+    refs = {"squid": Squid, "tinyproxy": Tinyproxy, "mitmdump": Mitmdump}
+    for name in names:
+        if name in refs:
+            out.append((refs[name](lab, workdir / name), ""))
+            continue
+        knows = gateway_knows_workers()
+        for w in workers:
+            if knows or w == 1:
+                out.append((Cubegate(lab, workdir / f"cubegate-w{w}", w, set_workers=knows), ""))
+            else:
+                stub = Cubegate(lab, workdir / f"cubegate-w{w}", w, set_workers=False)
+                out.append((stub, "proxy.workers is not a setting of this cubegate"))
+    return out
+
+
+def profile_path(args, proxy: str, workers: object, scenario: str) -> Path | None:
+    """Where py-spy's samples of one cubegate row go (--profile), else None."""
+    if not args.profile or proxy != "cubegate":
+        return None
+    return args.out.parent / f"{args.out.name}-profile-{scenario}-w{workers}.raw"
+
+
+def profiles(args, rows: list[Row]) -> dict[str, dict]:
+    """py-spy summaries of the profiled rows, keyed "scenario workers=N"."""
+    out = {}
+    for r in rows:
+        path = profile_path(args, r.proxy, r.workers, r.scenario)
+        if path and path.exists():
+            out[f"{r.scenario} workers={r.workers}"] = {"raw": str(path), **pyspy.summarise(path.read_text())}
+    return out
+
+
+def profile_markdown(profs: dict[str, dict]) -> str:
+    lines = []
+    for key, p in profs.items():
+        lines += ["", f"py-spy, cubegate {key}: {p['samples']} samples ({p['raw']})", "",
+                  "- leaf frames by owner: " + ", ".join(f"{k} {v}%" for k, v in p["self_by_owner"][:8]),
+                  "- inclusive: " + ", ".join(f"{k} {v}%" for k, v in p["inclusive"]),
+                  "- top leaf functions: " + ", ".join(f"{k} {v}%" for k, v in p["self_by_function"][:8])]
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+def run(args) -> tuple[list[Row], dict]:
+    scenarios = [BY_KEY[k] for k in args.scenarios]
+    rows: list[Row] = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="cgbench-"))
+    os.chmod(workdir, 0o755)  # squid and tinyproxy drop privileges and write their logs below it
+    meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_before": os.getloadavg(),
+            "cpus": os.cpu_count(), "gateway_knows_workers": gateway_knows_workers()}
     with Lab() as lab:
         print(f"lab up in {lab.startup_seconds:.1f} s (prefix {lab.prefix})", flush=True)
-        gw = Gateway(lab, lab.workdir / "gw", {"bench.yaml": POLICY}, sandboxes={"sb-1": {}})
-        tiny = None
+        upstream = NginxUpstream(lab, workdir / "nginx", UPSTREAM_IP,
+                                 [PASS_HOST, MITM_HOST, PLAIN_HOST, DENIED_HOST], INJECTED_AUTH)
         try:
-            gw.start()
-            tiny = _start_tinyproxy(lab, lab.workdir)
-            auth = "Basic " + base64.b64encode(f"sb-1:{gw.tokens['sb-1']}".encode()).decode()
-            cafile = str(lab.ca.bundle_path)
-            scenarios = [
-                ("direct", "direct", 0, None),
-                ("tinyproxy", "connect", TINYPROXY_PORT, None),
-                ("cubegate passthrough", "connect", gw.proxy_port, auth),
-                ("cubegate deny (403)", "deny", gw.proxy_port, auth),
-            ]
-            for label, kind, port, a in scenarios:
-                r = lab.call_gw(run_scenario, kind, cafile, port, a, args.requests, args.seconds,
-                                args.concurrency, timeout=args.seconds + 60)
-                results[label] = r
-                print(f"{label:22s} ok={r['ok']} errors={r['errors']} wall={r['wall']:.2f}s"
-                      + (f" first_error={r['first_error']}" if r["errors"] else "")
-                      + (" (time cap hit)" if r["capped"] else ""), flush=True)
+            upstream.start()
+            for proxy, na in build_proxies(lab, workdir, args.proxies, args.workers):
+                applicable = [s for s in scenarios if s.key in proxy.scenarios]
+                workers = str(proxy.workers) if proxy.workers else ""
+                if na:
+                    rows += [Row(s.key, proxy.name, workers, status="n/a", note=na) for s in applicable]
+                    continue
+                try:
+                    t0 = time.monotonic()
+                    proxy.start()
+                    print(f"{proxy.name}{' workers=' + workers if workers else ''} up in "
+                          f"{time.monotonic() - t0:.1f} s", flush=True)
+                    for sc in applicable:
+                        row = measure(lab, upstream, proxy, sc, args.requests, args.concurrency,
+                                      profile_path(args, proxy.name, proxy.workers, sc.key))
+                        rows.append(row)
+                        print("  " + progress_line(row), flush=True)
+                except Exception as e:  # one proxy that will not start must not hide the others
+                    done = {r.scenario for r in rows if r.proxy == proxy.name and r.workers == workers}
+                    rows += [Row(s.key, proxy.name, workers, status="failed", note=f"{type(e).__name__}: {e}"[:300])
+                             for s in applicable if s.key not in done]
+                    print(f"  {proxy.name}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                finally:
+                    proxy.stop()
         finally:
-            _stop(tiny)
-            if gw.proc and gw.proc.poll() not in (None, 0):
-                print("gateway log tail:\n" + gw.log(), file=sys.stderr)
-            gw.stop()
+            upstream.stop()
+            subprocess.run(["rm", "-rf", str(workdir)], check=False)
+    meta["loadavg_after"] = os.getloadavg()
+    add_ratios(rows)
+    order = {s.key: i for i, s in enumerate(SCENARIOS)}
+    rows.sort(key=lambda r: (order[r.scenario], PROXY_ORDER.index(r.proxy), r.workers))
+    return rows, meta
 
-    rows = {k: {"rps": v["ok"] / v["wall"] if v["wall"] else 0.0,
-                "p50": _pct(v["lat"], 50) * 1000, "p99": _pct(v["lat"], 99) * 1000,
-                "n": v["ok"], "err": v["errors"]} for k, v in results.items()}
-    cg, tp, d = rows.get("cubegate passthrough"), rows.get("tinyproxy"), rows.get("direct")
-    print(f"\n### Gateway per-connection cost (concurrency {args.concurrency}, new connection per request, "
-          f"Python clients in the gw namespace)\n")
-    print("| scenario | ok | errors | req/s | p50 ms | p99 ms |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for k, r in rows.items():
-        print(f"| {k} | {r['n']} | {r['err']} | {r['rps']:.1f} | {r['p50']:.2f} | {r['p99']:.2f} |")
-    if cg and tp and d:
-        print("\n| ratio | req/s | p50 | p99 |")
-        print("|---|---:|---:|---:|")
-        for name, ref in (("cubegate / tinyproxy", tp), ("cubegate / direct", d)):
-            print(f"| {name} | {cg['rps'] / ref['rps']:.2f}x | {cg['p50'] / ref['p50']:.2f}x "
-                  f"| {cg['p99'] / ref['p99']:.2f}x |")
-    print(f"\ntotal {time.perf_counter() - t_all:.1f} s")
-    bad = any(r["n"] == 0 for r in rows.values()) or len(rows) < 4
-    return 1 if bad else 0
+
+# ------------------------------------------------------------------ output
+def _f(v: float | None, fmt: str) -> str:
+    return "n/a" if v is None else format(v, fmt)
+
+
+def progress_line(r: Row) -> str:
+    head = f"{r.scenario:16s} {r.proxy}{' w=' + r.workers if r.workers else ''}: {r.status}"
+    if r.rps is None:
+        return f"{head} {r.note}"
+    return (f"{head} {r.rps:,.0f} req/s p50 {_f(r.p50_ms, '.2f')} ms cpu {_f(r.cpu_ms_per_req, '.3f')} ms/req "
+            f"upstream conns {r.upstream_conns}{' — ' + r.note if r.note else ''}")
+
+
+def markdown(rows: list[Row], meta: dict, args) -> str:
+    lines = [f"### cubegate data path vs references (hey c={args.concurrency}, {args.requests} requests per row)",
+             "", "| scenario | proxy | workers | req/s | p50 ms | p99 ms | proxy CPU ms/req | upstream conns/req "
+             "| CPU vs squid | CPU vs mitmdump | status |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        status = r.status + (f": {r.note}" if r.note else "")
+        lines.append(f"| {BY_KEY[r.scenario].title} | {r.proxy} | {r.workers or '–'} | {_f(r.rps, ',.0f')} "
+                     f"| {_f(r.p50_ms, '.2f')} | {_f(r.p99_ms, '.2f')} | {_f(r.cpu_ms_per_req, '.3f')} "
+                     f"| {_f(r.upstream_conns_per_req, '.3f')} | {_f(r.vs_squid_cpu, '.2f')}"
+                     f"{'x' if r.vs_squid_cpu is not None else ''} | {_f(r.vs_mitmdump_cpu, '.2f')}"
+                     f"{'x' if r.vs_mitmdump_cpu is not None else ''} | {status} |")
+    lines += ["", f"{meta['cpus']} CPUs, load average {meta['loadavg_before'][0]:.2f} before, "
+              f"{meta['loadavg_after'][0]:.2f} after (shared machine: compare rows of one run). "
+              f"CPU from /proc in 10 ms ticks; p50/p99 from hey -o csv (0.1 ms resolution)."]
+    if not meta["gateway_knows_workers"]:
+        lines.append("cubegate has no proxy.workers setting yet: workers=1 is its one process, "
+                     "other worker counts are n/a.")
+    lines += ["", "Targets (issue #11):", ""] + [f"- {t}" for t in targets(rows, args.concurrency)]
+    return "\n".join(lines) + "\n"
+
+
+def targets(rows: list[Row], concurrency: int) -> list[str]:
+    def get(proxy: str, scenario: str, workers: str = "1") -> Row | None:
+        for r in rows:
+            if r.proxy == proxy and r.scenario == scenario and r.status == "ok" and \
+                    (proxy != "cubegate" or r.workers == workers):
+                return r
+        return None
+
+    def line(text: str, value: float | None, ok) -> str:
+        if value is None:
+            return f"{text}: n/a"
+        return f"{text}: {value:,.2f} — {'met' if ok(value) else 'missed'}"
+
+    out = []
+    r = get("cubegate", "passthrough-new")
+    out.append(line("passthrough, new connection: CPU/request vs squid ≤ 1.0x", r and r.vs_squid_cpu,
+                    lambda v: v <= 1.0))
+    r = get("cubegate", "deny")
+    out.append(line("deny at CONNECT ≥ 5,000 req/s (workers=1)", r and r.rps, lambda v: v >= 5000))
+    r = get("cubegate", "plain-ka")
+    out.append(line("plain HTTP keep-alive: CPU/request vs squid ≤ 2x", r and r.vs_squid_cpu, lambda v: v <= 2.0))
+    r = get("cubegate", "mitm-ka")
+    out.append(line("MITM + injection keep-alive: CPU/request vs stock mitmdump ≤ 0.7x",
+                    r and r.vs_mitmdump_cpu, lambda v: v <= 0.7))
+    w1, w2 = get("cubegate", "passthrough-new", "1"), get("cubegate", "passthrough-new", "2")
+    out.append(line("workers=2 / workers=1 passthrough req/s ≥ 1.7x",
+                    (w2.rps / w1.rps) if (w1 and w2 and w1.rps and w2.rps) else None, lambda v: v >= 1.7))
+    r = get("cubegate", "passthrough-ka")
+    out.append(line(f"keep-alive passthrough: tunnels per client connection (c={concurrency}) ≤ 1.5",
+                    r and r.upstream_conns is not None and r.upstream_conns / concurrency or None,
+                    lambda v: v <= 1.5))
+    return out
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGTERM unwinds like Ctrl-C, so the lab and every proxy are removed."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=1000, help="requests per row (default 1000)")
+    ap.add_argument("--concurrency", type=int, default=10, help="hey -c (default 10)")
+    ap.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2],
+                    help="cubegate proxy.workers values, comma-separated (default 1,2)")
+    ap.add_argument("--proxies", type=lambda s: s.split(","), default=PROXY_ORDER,
+                    help="comma-separated subset of " + ",".join(PROXY_ORDER))
+    ap.add_argument("--scenarios", type=lambda s: s.split(","), default=[s.key for s in SCENARIOS],
+                    help="comma-separated subset of " + ",".join(BY_KEY))
+    ap.add_argument("--profile", action="store_true",
+                    help="sample cubegate with py-spy during its rows (pip install py-spy; skews the CPU figures)")
+    ap.add_argument("--out", type=Path, default=REPO / ".cache" / "bench" / "bench_gateway",
+                    help="writes OUT.md and OUT.json")
+    args = ap.parse_args(argv)
+    bad = [p for p in args.proxies if p not in PROXY_ORDER] + [s for s in args.scenarios if s not in BY_KEY]
+    if args.profile and not pyspy.available():
+        ap.error("--profile needs py-spy in the venv (pip install py-spy)")
+    if bad or args.requests < args.concurrency or args.concurrency < 1 or min(args.workers) < 1:
+        ap.error(f"bad arguments: {bad or 'requests must be >= concurrency >= 1, workers >= 1'}")
+    signal.signal(signal.SIGTERM, _interrupt)
+
+    t0 = time.monotonic()
+    try:
+        rows, meta = run(args)
+    except KeyboardInterrupt as e:  # the lab, the proxies and the workdir are gone by now
+        print(f"interrupted ({e or 'Ctrl-C'}): everything started was stopped", file=sys.stderr)
+        return 130
+    meta.update(command=" ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+                requests=args.requests, concurrency=args.concurrency, workers=args.workers,
+                seconds=round(time.monotonic() - t0, 1), host=platform.node(),
+                hey=hey.argv("URL", requests=args.requests, concurrency=args.concurrency, proxy="PROXY",
+                              keepalive=True, csv=True))
+    profs = profiles(args, rows)
+    text = markdown(rows, meta, args) + profile_markdown(profs)
+    print("\n" + text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".md").write_text(text)
+    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows],
+                                                          "targets": targets(rows, args.concurrency),
+                                                          "profiles": profs}, indent=1))
+    print(f"wrote {args.out.with_suffix('.md')} and {args.out.with_suffix('.json')} "
+          f"({meta['seconds']:.0f} s)")
+    return 1 if any(r.status == "failed" for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cubevs import bpf_loader, netns  # noqa: E402
+from cubevs import datapath, libbpf, netns  # noqa: E402
 from cubevs.switch import Switch  # noqa: E402
 from sandbox_runtime.backend import Limits  # noqa: E402
 from sandbox_runtime.capacity import Budget, meminfo_mb  # noqa: E402
@@ -83,8 +83,8 @@ class Env:
                 netns.remove(name)
         if (self.tmp / "bpf").is_dir():
             with suppress(Exception):
-                bpf_loader.remove_pins(self.tmp / "bpf")
-                bpf_loader.umount_bpffs(self.tmp / "bpf")
+                datapath.remove_pins(self.tmp / "bpf")
+                libbpf.umount_bpffs(self.tmp / "bpf")
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 

@@ -21,7 +21,7 @@ GRACE_S = 20.0
 # (script, time box in seconds, extra args in --quick mode)
 BENCHES = [
     ("bench_policy.py", 120.0, []),
-    ("bench_gateway.py", 180.0, ["--requests", "150"]),
+    ("bench_gateway.py", 480.0, ["--requests", "200"]),
     ("bench_inject.py", 120.0, ["--requests", "200"]),
     ("bench_cubevs.py", 300.0, ["--quick"]),
     ("bench_sandbox.py", 300.0, ["--quick"]),

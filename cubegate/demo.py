@@ -193,8 +193,8 @@ def _remove_switch(state_dir: Path) -> None:
     from contextlib import suppress
     bpffs = state_dir / "bpf"
     if bpffs.is_dir():
-        from cubevs import bpf_loader
+        from cubevs import datapath, libbpf
         with suppress(Exception):
-            bpf_loader.remove_pins(bpffs)
+            datapath.remove_pins(bpffs)
         with suppress(Exception):
-            bpf_loader.umount_bpffs(bpffs)
+            libbpf.umount_bpffs(bpffs)

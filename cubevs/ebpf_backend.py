@@ -4,9 +4,10 @@ from __future__ import annotations
 import time
 
 from . import build as _build
-from .bpf_loader import REASONS, Datapath, be32_to_ip
+from .datapath import Datapath
 from .policy import PROTO_NAMES, PROTOS
 from .registry import Entry
+from .switch_schema import be32_to_ip, reason_name
 
 
 class EbpfBackend:
@@ -69,7 +70,7 @@ class EbpfBackend:
         for ev in self.dp.drain_events(max_events):
             out.append({
                 "sandbox_no": ev.sandbox_no,
-                "reason": REASONS[ev.reason] if ev.reason < len(REASONS) else str(ev.reason),
+                "reason": reason_name(ev.reason),
                 "src": be32_to_ip(ev.saddr), "dst": be32_to_ip(ev.daddr),
                 "proto": PROTO_NAMES.get(ev.proto, str(ev.proto)) if ev.proto else None,
                 "dport": ev.dport or None,

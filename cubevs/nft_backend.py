@@ -10,12 +10,13 @@ without its 14-byte Ethernet header; we add it back) so both backends agree.
 from __future__ import annotations
 
 from . import nft
-from .policy import REASONS, WEB_PORTS, verdict_of
+from .policy import WEB_PORTS
 from .registry import Entry
+from .switch_schema import REASON_CODES, verdict_of
 
 TABLE = "cubegate"
 ETH_HLEN = 14
-_REASONS = [r for r in REASONS if r != "unknown_sandbox"]
+_REASONS = [r for r in REASON_CODES if r != "unknown_sandbox"]
 
 
 class NftBackend:

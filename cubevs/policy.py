@@ -1,17 +1,11 @@
-"""Pure pieces shared by both backends: reasons, verdicts, L4 rule parsing."""
+"""Pure pieces shared by both backends: protocols, L4 rule parsing (reasons: switch_schema)."""
 from __future__ import annotations
 
 import ipaddress
 
-from .bpf_loader import ALLOW_REASONS, REASONS
-
 PROTOS = {"tcp": 6, "udp": 17, "icmp": 1}
 PROTO_NAMES = {v: k for k, v in PROTOS.items()}
 WEB_PORTS = (80, 443)
-
-
-def verdict_of(reason: str) -> str:
-    return "allow" if reason in ALLOW_REASONS else "drop"
 
 
 def normalize_l4(rules) -> tuple[tuple[str, int, str], ...]:
@@ -32,4 +26,4 @@ def normalize_l4(rules) -> tuple[tuple[str, int, str], ...]:
     return tuple(out)
 
 
-__all__ = ["REASONS", "ALLOW_REASONS", "PROTOS", "PROTO_NAMES", "verdict_of", "normalize_l4"]
+__all__ = ["PROTOS", "PROTO_NAMES", "WEB_PORTS", "normalize_l4"]

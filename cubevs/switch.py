@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import netns, plumbing, steering
-from .policy import normalize_l4, verdict_of
+from .policy import normalize_l4
 from .registry import Entry, Registry
+from .switch_schema import verdict_of
 
 
 class SwitchError(RuntimeError):

@@ -6,12 +6,11 @@ listeners bound, audit writable, ...). A check that raises counts as failed.
 """
 from __future__ import annotations
 
-import json
 import logging
 from typing import Callable
 
-import tornado.web
-from tornado.httpserver import HTTPServer
+import httpkit
+from httpkit import JsonHandler, Reply, operation
 
 Check = Callable[[], tuple[bool, str]]
 
@@ -35,45 +34,65 @@ class Readiness:
         return ready, results
 
 
-class _Health(tornado.web.RequestHandler):
+MAX_BODY = 64 * 1024   # only GETs here
+
+
+class Health(Reply):
+    status: str
+
+
+class CheckResult(Reply):
+    ok: bool
+    detail: str
+
+
+class ReadyReply(Reply):
+    ready: bool
+    checks: dict[str, CheckResult]
+
+
+class _Base(JsonHandler):
+    public = True   # host-only port, nothing secret: probes and Prometheus carry no token
+
+    def initialize(self, readiness: Readiness, render: Callable[[], bytes]) -> None:
+        super().initialize()
+        self.readiness, self.render_metrics = readiness, render
+
+
+class _Health(_Base):
+    @operation("Is the process up", reply=Health)
     def get(self) -> None:
-        self.set_header("Content-Type", "application/json")
-        self.write(json.dumps({"status": "up"}))
+        self.reply(200, {"status": "up"})
 
 
-class _Ready(tornado.web.RequestHandler):
-    def initialize(self, readiness: Readiness) -> None:
-        self.readiness = readiness
-
+class _Ready(_Base):
+    @operation("May traffic be sent here: 200 when every check passes, else 503 (same body)", reply=ReadyReply,
+               errors=(503,))
     def get(self) -> None:
         ready, results = self.readiness.evaluate()
-        self.set_status(200 if ready else 503)
-        self.set_header("Content-Type", "application/json")
-        self.write(json.dumps({"ready": ready, "checks": results}, indent=1))
+        self.reply(200 if ready else 503, {"ready": ready, "checks": results})
 
 
-class _Metrics(tornado.web.RequestHandler):
-    def initialize(self, render: Callable[[], bytes]) -> None:
-        self.render_metrics = render
-
+class _Metrics(_Base):
+    @operation("Prometheus metrics", reply_media="text/plain; version=0.0.4")
     def get(self) -> None:
         self.set_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-        self.write(self.render_metrics())
+        self.finish(self.render_metrics())
 
 
-def _log_request(handler: tornado.web.RequestHandler) -> None:
-    logging.getLogger("cubegate.ops").debug("%s %s %s", handler.get_status(), handler.request.method,
-                                             handler.request.uri)
+ROUTES = [("/healthz", _Health), ("/readyz", _Ready), ("/metrics", _Metrics),
+          ("/openapi.json", httpkit.openapi_handler(_Base, public=True))]
 
 
-def start_ops_server(host: str, port: int, readiness: Readiness, render_metrics: Callable[[], bytes]) -> HTTPServer:
+def make_app(readiness: Readiness, render_metrics: Callable[[], bytes]):
     # tornado logs 5xx at ERROR; mitmproxy's errorcheck treats any ERROR during
     # startup as fatal, and /readyz answers 503 by design then. Log at DEBUG.
-    app = tornado.web.Application([
-        (r"/healthz", _Health),
-        (r"/readyz", _Ready, {"readiness": readiness}),
-        (r"/metrics", _Metrics, {"render": render_metrics}),
-    ], log_function=_log_request)
-    server = HTTPServer(app, xheaders=False)
-    server.listen(port, address=host)
-    return server
+    return httpkit.make_app(ROUTES, base=_Base, kwargs={"readiness": readiness, "render": render_metrics},
+                            title="cubegate ops", log_name="cubegate.ops", log_level=logging.DEBUG)
+
+
+def start_ops_server(host: str, port: int, readiness: Readiness,
+                     render_metrics: Callable[[], bytes]) -> httpkit.Server:
+    # any address settings.ops.listen_host names (Prometheus may scrape from elsewhere)
+    return httpkit.serve(make_app(readiness, render_metrics), max_body=MAX_BODY, host=host, port=port,
+                         loopback_only=False)

@@ -5,8 +5,9 @@
 // 80/443 passed on (steered to the gateway by nftables REDIRECT in the hub),
 // everything else only if listed in l4_allow.  Every verdict is counted per
 // sandbox and reason; drops are reported through a ring buffer.
-// The control plane (cubevs/bpf_loader.py) owns all maps; layouts below are
-// mirrored there -- keep them in sync.
+// The control plane (cubevs/datapath.py) owns all maps; the layouts and the
+// reason enum below are mirrored in cubevs/switch_schema.py, and a test checks
+// that mirror against this object's BTF (tests/cubevs/test_switch_schema.py).
 #include <linux/bpf.h>
 #include <linux/pkt_cls.h>
 #include <linux/if_ether.h>
@@ -19,7 +20,7 @@
 
 char LICENSE[] SEC("license") = "GPL";
 
-// ---- reasons (index into REASONS in bpf_loader.py; < 32) ----
+// ---- reasons (REASON_CODES in switch_schema.py: name = lower case without R_) ----
 enum reason {
 	R_UNKNOWN_SANDBOX = 0,   // drop: ifindex has no sandbox entry (fail closed)
 	R_GATEWAY = 1,           // allow: TCP to gateway ip : gateway port
@@ -74,7 +75,7 @@ struct l4_key {
 
 struct counter_key {
 	__u32 sandbox_no;
-	__u32 reason;
+	enum reason reason;   // 4 bytes; typed so the enum is in the BTF
 };
 
 struct counter_val {
@@ -86,7 +87,7 @@ struct event {
 	__u64 ts_ns;
 	__u32 ifindex;
 	__u32 sandbox_no;
-	__u32 reason;
+	enum reason reason;
 	__u32 saddr;   // network byte order
 	__u32 daddr;   // network byte order
 	__u16 dport;   // host byte order
@@ -161,25 +162,23 @@ static __always_inline void count(__u32 sandbox_no, __u32 reason, __u32 len)
 	v->bytes += len;
 }
 
+// Not inlined, so that struct event (the ring buffer record) is in the BTF.
+static __noinline void report_drop(const struct event *e)
+{
+	bpf_ringbuf_output(&events, (void *)e, sizeof(*e), 0);   // ring full: still counted
+}
+
 static __always_inline int verdict(struct __sk_buff *skb, __u32 sandbox_no, __u32 reason,
 				   __u32 saddr, __u32 daddr, __u8 proto, __u16 dport)
 {
 	count(sandbox_no, reason, skb->len);
 	if (is_allow(reason))
 		return TC_ACT_OK;
-	struct event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
-	if (e) {   // ring full: the drop is still counted
-		e->ts_ns = bpf_ktime_get_ns();
-		e->ifindex = skb->ifindex;
-		e->sandbox_no = sandbox_no;
-		e->reason = reason;
-		e->saddr = saddr;
-		e->daddr = daddr;
-		e->dport = dport;
-		e->proto = proto;
-		e->_pad = 0;
-		bpf_ringbuf_submit(e, 0);
-	}
+	struct event e = {
+		.ts_ns = bpf_ktime_get_ns(), .ifindex = skb->ifindex, .sandbox_no = sandbox_no,
+		.reason = reason, .saddr = saddr, .daddr = daddr, .dport = dport, .proto = proto,
+	};
+	report_drop(&e);
 	return TC_ACT_SHOT;
 }
 

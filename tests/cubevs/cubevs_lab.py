@@ -15,7 +15,7 @@ from contextlib import suppress
 
 from pyroute2 import IPRoute
 
-from cubevs import bpf_loader, netns
+from cubevs import datapath, libbpf, netns
 from cubevs.switch import Switch
 
 INET_IP = "198.51.100.10"
@@ -155,8 +155,8 @@ class Lab:
             if name.startswith(self.tag):
                 netns.remove(name)
         if os.path.isdir(self.bpffs):
-            bpf_loader.remove_pins(self.bpffs)
-            bpf_loader.umount_bpffs(self.bpffs)
+            datapath.remove_pins(self.bpffs)
+            libbpf.umount_bpffs(self.bpffs)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 

@@ -26,16 +26,31 @@ def eth(dst: str, src: str, ethertype: int) -> bytes:
     return mac_bytes(dst) + mac_bytes(src) + struct.pack("!H", ethertype)
 
 
-def ipv4_udp(src: str, dst: str, sport: int, dport: int, payload: bytes) -> bytes:
-    udp = struct.pack("!HHHH", sport, dport, 8 + len(payload), 0) + payload
-    hdr = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 1, 0, 64, 17, 0,
+def ipv4(src: str, dst: str, proto: int, l4: bytes, *, frag: int = 0, ver_ihl: int = 0x45) -> bytes:
+    """IPv4 header (checksummed) + l4 bytes; `frag` = flags|fragment offset field."""
+    hdr = struct.pack("!BBHHHBBH4s4s", ver_ihl, 0, 20 + len(l4), 1, frag, 64, proto, 0,
                       socket.inet_aton(src), socket.inet_aton(dst))
     hdr = hdr[:10] + struct.pack("!H", _csum(hdr)) + hdr[12:]
-    return hdr + udp
+    return hdr + l4
 
 
-def arp_request(sha: str, spa: str, tpa: str) -> bytes:
-    return struct.pack("!HHBBH6s4s6s4s", 1, ETH_P_IP, 6, 4, 1, mac_bytes(sha),
+def ipv4_udp(src: str, dst: str, sport: int, dport: int, payload: bytes, **kw) -> bytes:
+    return ipv4(src, dst, 17, struct.pack("!HHHH", sport, dport, 8 + len(payload), 0) + payload, **kw)
+
+
+def ipv4_tcp(src: str, dst: str, sport: int, dport: int, flags: int = 0x02, **kw) -> bytes:
+    """A bare TCP segment (SYN by default); checksum left 0, the switch does not check it."""
+    return ipv4(src, dst, 6, struct.pack("!HHIIBBHHH", sport, dport, 1, 0, 5 << 4, flags, 65535, 0, 0),
+                **kw)
+
+
+def ipv4_icmp_echo(src: str, dst: str) -> bytes:
+    body = struct.pack("!BBHHH", 8, 0, 0, 1, 1) + b"ping"
+    return ipv4(src, dst, 1, body[:2] + struct.pack("!H", _csum(body)) + body[4:])
+
+
+def arp_request(sha: str, spa: str, tpa: str, *, htype: int = 1) -> bytes:
+    return struct.pack("!HHBBH6s4s6s4s", htype, ETH_P_IP, 6, 4, 1, mac_bytes(sha),
                        socket.inet_aton(spa), b"\0" * 6, socket.inet_aton(tpa))
 
 

@@ -21,7 +21,7 @@ def switch_lab(lab, tmp, policy: str, *, sandbox: str | None, tport: int, prefix
                before_start=None):
     """sandbox=None: attach none (the runtime attaches its own); before_start(gw) runs after the
     switch exists and before the gateway starts (vault set-up)."""
-    from cubevs import bpf_loader, steering
+    from cubevs import datapath, libbpf, steering
     from cubevs.switch import Switch
 
     cubevs_state, bpffs = tmp / "cubevs", tmp / "bpf"
@@ -55,7 +55,7 @@ def switch_lab(lab, tmp, policy: str, *, sandbox: str | None, tport: int, prefix
                        capture_output=True, timeout=10)
         if bpffs.is_dir():
             with suppress(Exception):
-                bpf_loader.remove_pins(bpffs)
+                datapath.remove_pins(bpffs)
             with suppress(Exception):
-                bpf_loader.umount_bpffs(bpffs)
+                libbpf.umount_bpffs(bpffs)
         shutil.rmtree(bpffs, ignore_errors=True)

@@ -1,0 +1,120 @@
+"""Request and reply bodies of the sandbox API (cubegate/runtime_api.py), declared once.
+
+The API validates with these and its OpenAPI document is generated from them;
+the manager still checks meaning (env names and sizes, file paths, real
+secrets, timeouts) for every caller.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Annotated, Literal
+
+from pydantic import Field, PlainValidator, WithJsonSchema
+from pydantic_core import PydanticCustomError
+
+from httpkit import Body, Reply
+from sandbox_runtime.manager import SANDBOX_ID_RE
+from vault.api_models import Name
+
+
+def _b64(value: object) -> bytes:
+    if not isinstance(value, str):
+        raise PydanticCustomError("base64", "must be a base64 string")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise PydanticCustomError("base64", "must be base64") from None
+
+
+def _absolute(value: object) -> str:
+    if not isinstance(value, str) or not value.startswith("/") or "\0" in value:
+        raise PydanticCustomError("path", "must be an absolute path inside the sandbox")
+    return value
+
+
+Base64 = Annotated[bytes, PlainValidator(_b64), WithJsonSchema({"type": "string", "contentEncoding": "base64"})]
+SandboxId = Annotated[str, Field(pattern=SANDBOX_ID_RE.pattern)]
+StrMap = dict[str, str]
+Positive = Field(None, gt=0)
+
+
+# -- requests ------------------------------------------------------------------
+class LimitsIn(Body):
+    """Any omitted limit takes the daemon's default (settings.runtime)."""
+    memory_mb: int | None = Positive
+    cpus: float | None = Positive
+    pids: int | None = Positive
+    disk_mb: int | None = Positive
+
+
+class CreateSandbox(Body):
+    id: SandboxId
+    tenant: Name
+    backend: str | None = Field(None, description="namespace or microvm; default: settings.runtime.default_backend")
+    labels: StrMap = {}
+    limits: LimitsIn = LimitsIn()
+    env: StrMap = {}
+    files: dict[str, Base64] = Field({}, description="path under /workspace -> base64 content")
+    secret_env: StrMap = Field({}, description="ENV_NAME -> vault secret id (gets its placeholder)")
+
+
+class Exec(Body):
+    argv: list[str] = Field(min_length=1)
+    timeout: float = Field(30, gt=0, le=3600, description="seconds")
+    env: StrMap = {}
+    stdin_b64: Base64 = b""
+    cwd: str = "/workspace"
+
+
+class Init(Body):
+    env: StrMap = {}
+    files: dict[str, Base64] = Field({}, description="path under /workspace -> base64 content")
+    secret_env: StrMap = {}
+
+
+class FileQuery(Body):
+    path: Annotated[str, PlainValidator(_absolute), WithJsonSchema({"type": "string", "pattern": "^/"})]
+
+
+# -- replies -----------------------------------------------------------------------
+class Limits(Reply):
+    memory_mb: int
+    cpus: float
+    pids: int
+    disk_mb: int
+
+
+class Sandbox(Reply):
+    id: str
+    tenant: str
+    backend: str
+    labels: StrMap
+    limits: Limits
+    state: Literal["creating", "running", "paused", "failed"]
+    ip: str | None
+    created: float
+    start_ms: float | None
+    error: str | None
+    usage: dict[str, float] | None = Field(None, description="measured (GET of one sandbox)")
+    usage_error: str | None = None
+
+
+class SandboxList(Reply):
+    sandboxes: list[Sandbox]
+
+
+class ExecResult(Reply):
+    exit_code: int
+    timed_out: bool
+    duration_s: float
+    stdout: str | None = Field(description="null unless valid UTF-8 (see stdout_b64)")
+    stderr: str | None = Field(description="null unless valid UTF-8 (see stderr_b64)")
+    stdout_b64: str
+    stderr_b64: str
+
+
+class InitResult(Reply):
+    id: str
+    env: list[str] = Field(description="names of the variables later execs get")
+    files: list[str]
