@@ -11,8 +11,8 @@ import re
 
 MAX_LEN = 40
 PATTERN = rf"[a-z0-9][a-z0-9-]{{0,{MAX_LEN - 1}}}"
-_RE = re.compile(PATTERN)
+SANDBOX_ID_RE = re.compile(f"^{PATTERN}$")   # anchored, for JSON schema / route use (.pattern)
 
 
 def is_sandbox_id(value: object) -> bool:
-    return isinstance(value, str) and _RE.fullmatch(value) is not None
+    return isinstance(value, str) and SANDBOX_ID_RE.fullmatch(value) is not None

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Protocol
 
 from . import ids
+from .ids import SANDBOX_ID_RE  # noqa: F401 - re-exported (cubegate.runtime_api/runtime_models use it)
 from .backend import Backend, ExecResult, Handle, Limits, NotSupported, SandboxError, SandboxSpec
 from .capacity import Budget, CapacityError, admit, meminfo_mb, reserved
 from .metrics import RuntimeMetrics

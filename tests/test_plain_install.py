@@ -25,7 +25,7 @@ import yaml
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = ["pyproject.toml", "README.md", "egress", "vault", "cubevs", "sandbox_runtime", "cubegate", "testbed"]
+SOURCES = ["pyproject.toml", "README.md", "httpkit", "egress", "vault", "cubevs", "sandbox_runtime", "cubegate", "testbed"]
 
 
 def _free_ports(n):

@@ -12,9 +12,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CLI_MODULES = ["cubegate.cli", "cubegate.sandbox_cli", "cubegate.cli_context", "vault.cli", "egress.audit.cli"]
 # package -> packages of ours it may import (vault: egress only through `import vault` / `from vault import`)
-ALLOWED = {"vault": set(), "cubevs": set(), "egress": {"vault"}, "sandbox_runtime": {"cubevs"},
-           "cubegate": {"vault", "cubevs", "egress", "sandbox_runtime", "cubegate", "testbed"}}
-OURS = set(ALLOWED) | {"testbed"}
+# (httpkit: the shared HTTP kit, importable by every package that serves HTTP; checked by its own tests)
+ALLOWED = {"httpkit": set(), "vault": {"httpkit"}, "cubevs": set(), "egress": {"vault", "httpkit"}, "sandbox_runtime": {"cubevs"},
+           "cubegate": {"vault", "cubevs", "egress", "sandbox_runtime", "cubegate", "testbed", "httpkit"}}
+OURS = set(ALLOWED) | {"testbed", "httpkit"}
 
 
 @pytest.mark.parametrize("module", CLI_MODULES)
