@@ -9,43 +9,21 @@ import sys
 
 import click
 
-from cubegate.settings import SettingsError, load_settings
+from cubegate.cli_context import CliContext, cli_context
 
 
 def _settings(ctx: click.Context):
-    obj = ctx.ensure_object(dict)
-    if "settings" not in obj:
-        try:
-            obj["settings"] = load_settings(obj.get("config"), state_dir=obj.get("state_dir"))
-        except SettingsError as e:
-            raise click.ClickException(str(e))
-    return obj["settings"]
+    return cli_context(ctx).settings
 
 
 @click.group()
 @click.option("--config", "-c", envvar="CUBEGATE_CONFIG", type=click.Path(dir_okay=False),
-              help="Settings YAML (env CUBEGATE_CONFIG).")
+              help="Settings YAML (env CUBEGATE_CONFIG); CUBEGATE_<SECTION>__<KEY> variables override it.")
 @click.option("--state-dir", envvar="CUBEGATE_STATE_DIR", help="Override state_dir.")
 @click.pass_context
 def main(ctx: click.Context, config: str | None, state_dir: str | None) -> None:
     """cubegate: egress gateway and credential vault for AI-agent sandboxes."""
-    obj = ctx.ensure_object(dict)
-    obj.update(config=config, state_dir=state_dir)
-    if ctx.invoked_subcommand in ("vault", "audit") and not ctx.resilient_parsing:
-        settings = _settings(ctx)
-        os.environ.setdefault("CUBEGATE_AUDIT_DIR", str(settings.audit_dir))
-        if ctx.invoked_subcommand == "vault":
-            from egress.credentials import host_policy_check_for
-            from egress.policy import PolicyError, load_policy_dir
-
-            def current():
-                try:
-                    return load_policy_dir(settings.policy_dir)
-                except PolicyError as e:
-                    raise click.ClickException(f"cannot check binding against policy: {e}")
-
-            obj.update(vault_db=str(settings.vault_db), vault_key_file=str(settings.vault_key_file),
-                       host_policy_check=host_policy_check_for(current))
+    ctx.obj = CliContext(config=config, state_dir=state_dir)
 
 
 @main.command()
@@ -64,6 +42,55 @@ def run(ctx: click.Context, log_level: str) -> None:
     except PolicyError as e:
         raise click.ClickException(f"policy not loaded, refusing to start: {e}")
     sys.exit(rc)
+
+
+@main.command()
+@click.option("--state-dir", "state_dir", type=click.Path(file_okay=False),
+              help="Where state goes (default: the global --state-dir, else the settings' state_dir).")
+@click.pass_context
+def init(ctx: click.Context, state_dir: str | None) -> None:
+    """Create settings, state dir, interception CA and vault key (0600); never replaces what exists."""
+    from pathlib import Path
+
+    from cubegate.host_setup import init_host, next_steps
+    from cubegate.settings import SettingsError
+
+    cc = cli_context(ctx)
+    state = Path(state_dir or cc.state_dir or (cc.settings.state_dir if cc.config else "/var/lib/cubegate"))
+    settings_path = Path(cc.config) if cc.config else state / "settings.yaml"
+    try:
+        rep = init_host(state, settings_path)
+    except (SettingsError, OSError) as e:
+        raise click.ClickException(str(e))
+    for what in rep.created:
+        click.echo(f"created  {what}")
+    for what in rep.kept:
+        click.echo(f"kept     {what}")
+    for what in rep.warnings:
+        click.echo(f"warning: {what}", err=True)
+    click.echo("")
+    click.echo(next_steps(settings_path.absolute()), nl=False)
+
+
+@main.group()
+def ca() -> None:
+    """The gateway's interception CA."""
+
+
+@ca.command("env")
+@click.pass_context
+def ca_env(ctx: click.Context) -> None:
+    """Print shell variables that make common toolchains trust the gateway's CA (eval "$(cubegate ca env)")."""
+    from cubegate.host_setup import BUNDLE_NAME, ca_env_text, system_ca_bundle, write_bundle
+    from egress.mitm_ca import ca_paths
+
+    s = _settings(ctx)
+    ca_cert = ca_paths(s.ca_dir)[1]
+    if not ca_cert.exists():
+        raise click.ClickException(f"no CA at {ca_cert}: run `cubegate init` (or start the daemon once)")
+    system = system_ca_bundle()
+    bundle = write_bundle(ca_cert, s.ca_dir / BUNDLE_NAME, system)
+    click.echo(ca_env_text(bundle, ca_cert, system), nl=False)
 
 
 # ------------------------------------------------------------------- policy
@@ -183,12 +210,13 @@ def identity_placeholders(ctx, sandbox_id) -> None:
         raise click.ClickException(str(e))
     tenant = (pol.tenant if pol else None) or DEFAULT_TENANT
     try:
-        v = vaultlib.Vault.open(s.vault_db)
-        key = vaultlib.key_from_env()
-        v.unseal(key) if key is not None else v.unseal_with_key_file(s.vault_key_file)
-        for secret_id, ph in sorted(v.placeholders_for_sandbox(tenant, sandbox_id).items()):
-            env = "CUBEGATE_SECRET_" + "".join(c if c.isalnum() else "_" for c in secret_id).upper()
-            click.echo(f"{env}={ph}")
+        v = cli_context(ctx).open_vault()
+        try:
+            for secret_id, ph in sorted(v.placeholders_for_sandbox(tenant, sandbox_id).items()):
+                env = "CUBEGATE_SECRET_" + "".join(c if c.isalnum() else "_" for c in secret_id).upper()
+                click.echo(f"{env}={ph}")
+        finally:
+            v.close()
     except vaultlib.VaultError as e:
         raise click.ClickException(str(e))
 
@@ -237,20 +265,18 @@ def net_status(ctx, as_json) -> None:
 
 
 # -------------------------------------------------------------------- audit
-def _mount_optional_groups() -> None:
+def _mount_groups() -> None:
+    """Groups from other modules; each gets the CliContext as its ctx.obj."""
+    from cubegate.sandbox_cli import sandbox_cli
     from egress.audit.cli import audit
+    from vault.cli import vault_cli
 
     main.add_command(audit, "audit")
-    from cubegate.sandbox_cli import sandbox_cli
     main.add_command(sandbox_cli, "sandbox")
-    try:
-        from vault.cli import vault_cli
-    except ImportError:
-        return
     main.add_command(vault_cli, "vault")
 
 
-_mount_optional_groups()
+_mount_groups()
 
 
 @main.command()

@@ -27,6 +27,7 @@ from egress.policy.reload import PolicyStore
 
 import vault as vaultlib
 from cubegate.settings import Settings
+from cubegate.supervise import Supervisor
 
 log = logging.getLogger("cubegate.daemon")
 
@@ -39,7 +40,8 @@ class Daemon:
         self.master = None
         self.ops_server = None
         self._stop = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
+        self.supervisor = Supervisor()   # every long-running task: a dead one turns /readyz 503
+        self._master_task: asyncio.Task | None = None
         self._uninstall_resolver = None
 
     # ------------------------------------------------------------------ start
@@ -100,34 +102,40 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self.reload_policy)
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
-        self._tasks.append(asyncio.create_task(self._policy_watch(s.policy_poll_seconds), name="policy-watch"))
-        self._tasks.append(asyncio.create_task(self._index_loop(), name="audit-index"))
+        sup = self.supervisor
+        sup.start("policy-watch", self._policy_watch(s.policy_poll_seconds))
+        sup.start("audit-index", self._index_loop())
+        if self._netwatch is not None:
+            sup.watch("netwatch", self._netwatch.task)
+        if self._dns is not None:
+            sup.start("sandbox-dns", self._dns.serve())
         from egress.engine import widen_listen_backlog  # bursts of connects must not be dropped
-        self._backlog = asyncio.create_task(widen_listen_backlog(self.master), name="listen-backlog")
-        self._tasks.append(self._backlog)
-        # (the mitmproxy task stays last: run() watches self._tasks[-1])
-        self._tasks.append(asyncio.create_task(self.master.run(), name="mitmproxy"))
+        self._backlog = sup.start("listen-backlog", widen_listen_backlog(self.master), forever=False)
+        self._master_task = sup.start("mitmproxy", self._run_master())   # run() stops the daemon when it ends
+
+    async def _run_master(self) -> None:
+        try:
+            await self.master.run()
+        except SystemExit as e:  # mitmproxy's errorcheck: an ERROR was logged during startup
+            # (an exception, not SystemExit, so the daemon stops in order instead of the loop dying)
+            raise RuntimeError(f"mitmproxy exited ({e.code}): an error was logged during startup") from None
 
     def _open_vault(self):
         """Open and unseal the vault if one exists. Without a vault file no host is bound."""
         s = self.settings
         self.vault = None
+        # The key sources leave our environment at once: child processes (sandboxes, qemu) must never inherit them.
+        key_env = {k: os.environ.pop(k) for k in vaultlib.KEY_ENV_VARS if k in os.environ}
         if not s.vault_db.exists():
             log.info("no vault at %s: credential injection disabled", s.vault_db)
             return
         from egress.credentials import host_policy_check_for
         self.vault = vaultlib.Vault.open(s.vault_db, host_policy_check=host_policy_check_for(lambda: self.policies.current))
-        key = vaultlib.key_from_env()
-        # Out of our environment at once: child processes (sandboxes, qemu) must never inherit it.
-        os.environ.pop("CUBEGATE_VAULT_KEY", None)
         try:
-            if key is not None:
-                self.vault.unseal(key)
-            elif s.vault_key_file.exists():
-                self.vault.unseal_with_key_file(s.vault_key_file)
-            else:
-                log.warning("vault %s stays sealed: no key file %s and no CUBEGATE_VAULT_KEY; "
-                            "bound requests get 503 until it is unsealed", s.vault_db, s.vault_key_file)
+            source = vaultlib.unseal_from(self.vault, s.vault_key_file, environ=key_env)
+            log.info("vault %s unsealed (key from %s)", s.vault_db, source)
+        except vaultlib.NoKeySource as e:
+            log.warning("vault %s stays sealed: %s; bound requests get 503 until it is unsealed", s.vault_db, e)
         except vaultlib.VaultError as e:
             log.error("vault stays sealed: %s", e)
 
@@ -168,6 +176,7 @@ class Daemon:
         self.readiness.add("listeners", self._listeners_ready)
         self.readiness.add("vault", self._vault_ready)
         self.readiness.add("audit", lambda: (self.audit.writable(), str(self.settings.audit_dir)))
+        self.readiness.add("tasks", self.supervisor.check)
 
     def _listeners_ready(self) -> tuple[bool, str]:
         bound, detail = listeners_bound(self.master)
@@ -211,13 +220,16 @@ class Daemon:
         log.info("cubegate gateway: explicit proxy on %s:%s, ops on %s:%s",
                  self.settings.proxy.listen_host, self.settings.proxy.explicit_port,
                  self.settings.ops.listen_host, self.settings.ops.port)
-        master_task = self._tasks[-1]
         stop_task = asyncio.create_task(self._stop.wait())
-        await asyncio.wait({master_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({self._master_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        stop_task.cancel()
+        failed = self._master_task.done() and not self._master_task.cancelled() \
+            and self._master_task.exception() is not None
         await self.stop()
-        return 0
+        return 1 if failed or self.supervisor.dead else 0
 
     async def stop(self) -> None:
+        self.supervisor.begin_stop()
         if self.master is not None:
             # Graceful drain (egress/drain.py): all listeners closed first so a new
             # gateway can bind, in-flight flows finish up to proxy.drain_seconds.
@@ -229,9 +241,7 @@ class Daemon:
             self.ops_server.stop()
         if getattr(self, "vault_api", None) is not None:
             self.vault_api.stop()
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.supervisor.stop()
         from cubegate import sandbox_dns
         await sandbox_dns.stop_for(getattr(self, "_dns", None))
         from cubegate import netwatch

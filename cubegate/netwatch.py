@@ -81,10 +81,10 @@ class NetWatch:
         self.collector = SwitchCollector(switch, self._lock)
         self._registry = registry
         registry.register(self.collector)
-        self._task: asyncio.Task | None = None
+        self.task: asyncio.Task | None = None   # supervised by the daemon
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._poll(), name="netwatch")
+        self.task = asyncio.create_task(self._poll(), name="netwatch")
 
     def _drain(self) -> list[dict]:
         with self._lock:
@@ -139,10 +139,10 @@ class NetWatch:
             await asyncio.sleep(self.poll_seconds)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+            self.task = None
         try:
             self._registry.unregister(self.collector)
         except KeyError:

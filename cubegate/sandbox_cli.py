@@ -9,6 +9,8 @@ from pathlib import Path
 import click
 import httpx
 
+from cubegate.cli_context import cli_context
+
 
 class Api:
     def __init__(self, port: int, token_file: Path, timeout: float = 120.0):
@@ -36,8 +38,7 @@ class Api:
 
 
 def _api(ctx: click.Context, timeout: float = 120.0) -> Api:
-    from cubegate.cli import _settings
-    s = _settings(ctx)
+    s = cli_context(ctx).settings
     return Api(s.runtime.api_port, s.runtime_dir / "api.token", timeout)
 
 

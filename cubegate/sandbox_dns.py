@@ -49,16 +49,28 @@ class SandboxDns:
         self._transport: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.AbstractServer | None = None
         self._pending: set[asyncio.Task] = set()
+        self._lost: asyncio.Future | None = None
 
     # ---------------------------------------------------------------- serving
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
+        self._lost = loop.create_future()
         self._transport, _ = await loop.create_datagram_endpoint(
             lambda: _UdpProtocol(self), local_addr=(host, port))
         self._tcp = await asyncio.start_server(self._tcp_client, host, port)
         log.info("sandbox DNS on %s:%s (udp+tcp)", host, port)
 
+    async def serve(self) -> None:
+        """Runs while the resolver serves (the daemon supervises it); raises when its UDP socket is lost."""
+        await self._lost
+
+    def _socket_lost(self, exc: Exception | None) -> None:
+        if self._lost is not None and not self._lost.done():
+            self._lost.set_exception(exc or ConnectionError("sandbox DNS UDP socket closed"))
+
     async def stop(self) -> None:
+        if self._lost is not None and not self._lost.done():
+            self._lost.set_result(None)
         if self._transport is not None:
             self._transport.close()
             self._transport = None
@@ -174,6 +186,9 @@ class _UdpProtocol(asyncio.DatagramProtocol):
 
     def datagram_received(self, data: bytes, addr: tuple) -> None:
         self.server._spawn(self.server._udp_query(data, addr))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server._socket_lost(exc)
 
 
 async def start_for(daemon) -> SandboxDns | None:

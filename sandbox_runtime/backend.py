@@ -31,7 +31,7 @@ class Limits:
 
 @dataclass(frozen=True)
 class SandboxSpec:
-    sandbox_id: str           # [a-z0-9-]{1,40}, unique on the host
+    sandbox_id: str           # sandbox_runtime.ids, unique on the host
     tenant: str
     backend: str = "namespace"          # "namespace" | "microvm"
     limits: Limits = field(default_factory=Limits)

@@ -20,6 +20,8 @@ from collections import Counter as _Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Protocol
 
+from . import ids
+from .ids import SANDBOX_ID_RE  # noqa: F401 - re-exported (cubegate.runtime_api/runtime_models use it)
 from .backend import Backend, ExecResult, Handle, Limits, NotSupported, SandboxError, SandboxSpec
 from .capacity import Budget, CapacityError, admit, meminfo_mb, reserved
 from .metrics import RuntimeMetrics
@@ -27,7 +29,6 @@ from .state import SandboxRecord, StateStore
 
 log = logging.getLogger("cubegate.runtime")
 
-SANDBOX_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 MAX_ENV_BYTES = 256 * 1024
 MAX_FILES_BYTES = 32 * 1024 * 1024
@@ -92,8 +93,8 @@ def placeholder_env(placeholders: dict[str, str], secret_env: dict[str, str]) ->
 
 
 def validate_request(req: CreateRequest) -> None:
-    if not SANDBOX_ID_RE.fullmatch(req.sandbox_id or ""):
-        raise InvalidRequest("id must match [a-z0-9][a-z0-9-]{0,39}")
+    if not ids.is_sandbox_id(req.sandbox_id):
+        raise InvalidRequest(f"id must match {ids.PATTERN}")
     if not re.fullmatch(r"[a-z0-9][a-z0-9_.-]{0,63}", req.tenant or ""):
         raise InvalidRequest("tenant must match [a-z0-9][a-z0-9_.-]{0,63}")
     validate_env(req.env)

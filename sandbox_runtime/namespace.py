@@ -34,7 +34,7 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
-from sandbox_runtime import seccomp
+from sandbox_runtime import ids, seccomp
 from sandbox_runtime.agent.client import AgentClient, AgentError, unix_connector
 from sandbox_runtime.backend import ExecResult, Handle, NotSupported, SandboxError, SandboxSpec
 from sandbox_runtime.build_agent import BINARY as AGENT_BINARY
@@ -43,7 +43,6 @@ from sandbox_runtime.uids import sandbox_uid
 
 BWRAP = "/usr/bin/bwrap"
 NSENTER = shutil.which("nsenter") or "/usr/bin/nsenter"
-SANDBOX_ID_RE = re.compile(r"^[a-z0-9-]{1,40}$")
 NETNS_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 INNER_UID = 1000
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
@@ -218,7 +217,7 @@ class NamespaceBackend:
     # ------------------------------------------------------------ lifecycle
     def create(self, spec: SandboxSpec, netns: str, *, ip: str, gateway_ip: str) -> Handle:
         sid = spec.sandbox_id
-        if not SANDBOX_ID_RE.match(sid):
+        if not ids.is_sandbox_id(sid):
             raise SandboxError(f"invalid sandbox id {sid!r}")
         if not NETNS_RE.match(netns) or not Path(f"/run/netns/{netns}").exists():
             raise SandboxError(f"network namespace {netns!r} does not exist")

@@ -7,6 +7,8 @@ Opening and unsealing::
     vault = Vault.open(path, host_policy_check=None)   # sealed; VaultNotFound / VaultCorrupt
     vault.unseal(load_key_file(key_path))                # or key_from_env(), or:
     vault.unseal_with_passphrase(passphrase)             # WrongMasterKey on a wrong key
+    unseal_from(vault, key_file)   # what the daemon and CLIs use: CUBEGATE_VAULT_KEY, else the key
+                                   # file, else CUBEGATE_VAULT_PASSPHRASE (vault.keysource)
     vault.sealed -> bool ; vault.seal()                  # seal drops keys and cached values
 
 Gateway calls (thread-safe; every call sees changes made by any process
@@ -54,13 +56,14 @@ from .errors import (AmbiguousBinding, Conflict, DecryptError, InvalidBinding, I
                      VaultNotFound, VaultSealed, WrongMasterKey)
 from .injection import Injection
 from .forms import normalize
+from .keysource import KEY_ENV_VARS, NoKeySource, unseal_from
 from .scan import LeakFound, Needles, StreamLeakScanner, StreamScrubber, Unscrubbable
 from .tokens import TokenInfo, TokenStore
 
 __all__ = [
     "Vault", "Injection", "Binding", "Match", "SecretInfo", "VersionInfo", "TokenInfo", "TokenStore",
     "MasterKey", "create_key_file", "load_key_file", "key_from_env", "key_from_passphrase",
-    "generate_master_key", "parse_binding", "FORBIDDEN_HEADERS",
+    "generate_master_key", "parse_binding", "FORBIDDEN_HEADERS", "unseal_from", "NoKeySource", "KEY_ENV_VARS",
     "VaultError", "VaultSealed", "VaultCorrupt", "VaultNotFound", "WrongMasterKey", "KeyFileError",
     "DecryptError", "InvalidName", "InvalidValue", "NotFound", "Conflict", "InvalidBinding",
     "AmbiguousBinding", "PlaintextNotAllowed", "SecretUnavailable",

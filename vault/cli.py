@@ -3,11 +3,11 @@
 Works on the SQLite file directly (local administration); the HTTP API is for
 remote use. Secret values come from stdin or --from-file, never from argv.
 
-Settings: --db / CUBEGATE_VAULT_DB; master key from CUBEGATE_VAULT_KEY (base64),
-else --key-file / CUBEGATE_VAULT_KEY_FILE (default <db>.key), or for a vault
-initialised with a passphrase CUBEGATE_VAULT_PASSPHRASE or a prompt.
-A parent command may pass defaults and a host policy check in ctx.obj:
-{"vault_db": ..., "vault_key_file": ..., "host_policy_check": callable}.
+Settings: --db / CUBEGATE_VAULT_DB, --key-file / CUBEGATE_VAULT_KEY_FILE (default
+<db>.key). The master key comes from vault.keysource.unseal_from (CUBEGATE_VAULT_KEY,
+else the key file, else for a passphrase vault CUBEGATE_VAULT_PASSPHRASE or a prompt).
+A parent command may pass its context object in ctx.obj (see VaultCliHost) for the
+defaults and the host policy check.
 """
 from __future__ import annotations
 
@@ -19,13 +19,19 @@ import time
 
 import click
 
+from typing import Callable, Protocol
+
 from . import crypto
 from .core import Vault
 from .errors import VaultError
+from .keysource import PASSPHRASE_ENV, unseal_from
 
 
-def _obj(ctx: click.Context) -> dict:
-    return ctx.obj if isinstance(ctx.obj, dict) else {}
+class VaultCliHost(Protocol):
+    """What a parent command's context object offers this group (all may be None)."""
+    vault_db: str | None
+    vault_key_file: str | None
+    host_policy_check: Callable | None
 
 
 class _State:
@@ -39,18 +45,17 @@ class _State:
     def open(self, unseal: bool = False) -> Vault:
         vault = Vault.open(self.db, host_policy_check=self.host_policy_check)
         if unseal:
-            env_key = crypto.key_from_env()
-            if env_key is not None:
-                vault.unseal(env_key)
-            elif vault.key_source == "passphrase" and not self._key_file:
-                vault.unseal_with_passphrase(_passphrase(confirm=False))
-            else:
-                vault.unseal_with_key_file(self.key_file)
+            try:
+                interactive = sys.stdin.isatty()
+                unseal_from(vault, self.key_file, prompt=(lambda: _passphrase(confirm=False)) if interactive else None)
+            except VaultError:
+                vault.close()
+                raise
         return vault
 
 
 def _passphrase(confirm: bool) -> str:
-    env = os.environ.get("CUBEGATE_VAULT_PASSPHRASE")
+    env = os.environ.get(PASSPHRASE_ENV)
     if env:
         return env
     return click.prompt("Vault passphrase", hide_input=True, confirmation_prompt=confirm, err=True)
@@ -62,6 +67,8 @@ def _run(fn):
         return fn()
     except (VaultError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    except OSError as e:   # e.g. the vault's directory does not exist
+        raise click.ClickException(f"{e.filename or 'vault'}: {e.strerror}") from None
 
 
 def _read_value(from_file: str | None) -> bytes:
@@ -94,11 +101,11 @@ def _parse_ttl(text: str) -> float | None:
 @click.pass_context
 def vault_cli(ctx: click.Context, db: str | None, key_file: str | None) -> None:
     """Credential vault: secrets, bindings, tokens."""
-    obj = _obj(ctx)
-    db = db or obj.get("vault_db")
+    host = ctx.obj
+    db = db or getattr(host, "vault_db", None)
     if not db:
         raise click.UsageError("no vault file: give --db or set CUBEGATE_VAULT_DB")
-    ctx.obj = _State(db, key_file or obj.get("vault_key_file"), obj.get("host_policy_check"))
+    ctx.obj = _State(db, key_file or getattr(host, "vault_key_file", None), getattr(host, "host_policy_check", None))
 
 
 pass_state = click.make_pass_decorator(_State)

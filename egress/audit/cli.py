@@ -2,6 +2,8 @@
 
 The CLI reads the JSONL files (the source of truth); `query` keeps a SQLite
 index next to them (or in memory when the directory is read-only for us).
+Mounted under `cubegate`, the parent's context object supplies the directory
+(its `audit_dir`); standalone, --dir or CUBEGATE_AUDIT_DIR does.
 """
 from __future__ import annotations
 
@@ -27,7 +29,10 @@ _MAX_WIDTH = {"REQUEST": 60, "REASON": 40, "HOST:PORT": 50, "RULE": 40, "SANDBOX
 
 
 def _resolve_dir(directory: str | None) -> Path:
-    path = Path(directory or os.environ.get("CUBEGATE_AUDIT_DIR") or DEFAULT_DIR)
+    """--dir, else CUBEGATE_AUDIT_DIR, else the parent command's context object (.audit_dir), else the default."""
+    ctx = click.get_current_context(silent=True)
+    from_parent = getattr(ctx.find_root().obj, "audit_dir", None) if ctx is not None else None
+    path = Path(directory or os.environ.get("CUBEGATE_AUDIT_DIR") or from_parent or DEFAULT_DIR)
     if not path.is_dir():
         raise click.ClickException(
             f"audit directory not found: {path} (use --dir or set CUBEGATE_AUDIT_DIR)"

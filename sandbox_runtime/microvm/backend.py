@@ -8,14 +8,13 @@ The template was taken before the sandbox existed, so nothing sandbox-specific i
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import threading
 import time
 from contextlib import suppress
 from pathlib import Path
 
-from sandbox_runtime import cgroups
+from sandbox_runtime import cgroups, ids
 from sandbox_runtime.uids import sandbox_uid
 from sandbox_runtime.backend import ExecResult, Handle, Limits, SandboxError, SandboxSpec
 
@@ -28,7 +27,6 @@ HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 QEMU_OVERHEAD_MB = 192      # qemu's own memory on top of guest RAM, inside the cgroup limit
 QEMU_PIDS = 128             # qemu threads; limits.pids cannot be enforced inside the guest
 RESTORE_TIMEOUT = 30.0
-_ID = re.compile(r"[a-z0-9-]{1,40}")
 
 
 def base_env(sandbox_id: str) -> dict[str, str]:
@@ -112,7 +110,7 @@ class MicrovmBackend:
     # ------------------------------------------------------------------ lifecycle
     def create(self, spec: SandboxSpec, netns: str, *, ip: str, gateway_ip: str) -> Handle:
         sid = spec.sandbox_id
-        if not _ID.fullmatch(sid):
+        if not ids.is_sandbox_id(sid):
             raise SandboxError(f"invalid sandbox id {sid!r}")
         tpl = self.template_for(spec.limits)
         run_dir = self.state_dir / sid
