@@ -36,13 +36,15 @@ import tornado.web
 
 from sandbox_runtime.backend import Limits, NotSupported, SandboxError
 from sandbox_runtime.capacity import CapacityError
-from sandbox_runtime.manager import Conflict, CreateRequest, InvalidRequest, NotFound, SandboxManager
+from sandbox_runtime.manager import (Conflict, CreateRequest, InvalidRequest, NotFound, SandboxManager,
+                                     SecretRefused, Unavailable)
 
 log = logging.getLogger("cubegate.runtime_api")
 MAX_BODY = 48 * 1024 * 1024
 _ID = r"([a-z0-9][a-z0-9-]{0,39})"
 _ERRORS = [(NotFound, 404, "not_found"), (Conflict, 409, "conflict"), (InvalidRequest, 400, "invalid"),
-           (CapacityError, 429, "capacity"), (NotSupported, 501, "not_supported"), (SandboxError, 500, "sandbox_error")]
+           (CapacityError, 429, "capacity"), (NotSupported, 501, "not_supported"),
+           (Unavailable, 503, "unavailable"), (SandboxError, 500, "sandbox_error")]
 
 
 class ApiError(Exception):
@@ -84,7 +86,9 @@ class _Base(tornado.web.RequestHandler):
         self.manager, self.tokens, self.pool, self.audit_hook = manager, tokens, pool, audit_hook
         self.actor = None
         self.audit: dict[str, Any] = {}
-        self.reason = None
+        self.claimed: dict[str, Any] = {}   # audit fields taken from the request body/query:
+        self.reason = None                  # dropped when the request carried a secret value
+        self.secret_refused = False
 
     def prepare(self) -> None:
         self.action = f"{type(self).action}.{self.request.method.lower()}"
@@ -134,6 +138,7 @@ class _Base(tornado.web.RequestHandler):
                 err = ApiError(500, "internal", "internal error")
         if self._finished:
             return
+        self.secret_refused = isinstance(e, SecretRefused)
         self.reason = err.message
         self.clear()
         self.set_default_headers()
@@ -149,7 +154,8 @@ class _Base(tornado.web.RequestHandler):
         try:
             self.audit_hook({"action": self.action, "actor": self.actor, "status": status,
                              "outcome": "ok" if status < 400 else ("denied" if status in (401, 403) else "error"),
-                             "reason": self.reason, "remote": self.request.remote_ip, **self.audit})
+                             "reason": self.reason, "remote": self.request.remote_ip,
+                             **({} if self.secret_refused else self.claimed), **self.audit})
         except Exception as e:  # noqa: BLE001
             log.error("runtime API: audit hook failed: %s", type(e).__name__)
 
@@ -174,8 +180,8 @@ def _files(doc: dict) -> dict[str, bytes]:
     for path, b64 in _str_dict(doc, "files").items():
         try:
             out[path] = base64.b64decode(b64, validate=True)
-        except (binascii.Error, ValueError):
-            raise ApiError(400, "invalid", f"files[{path!r}] must be base64") from None
+        except (binascii.Error, ValueError):   # (the path is not quoted: it is checked for secrets later)
+            raise ApiError(400, "invalid", "files: every value must be base64") from None
     return out
 
 
@@ -186,7 +192,7 @@ def _limits(doc: dict, default: Limits) -> Limits:
     known = {"memory_mb": int, "cpus": float, "pids": int, "disk_mb": int}
     unknown = set(raw) - set(known)
     if unknown:
-        raise ApiError(400, "invalid", f"limits: unknown key(s) {', '.join(sorted(unknown))}")
+        raise ApiError(400, "invalid", f"limits: unknown key(s); known: {', '.join(known)}")
     vals = {}
     for k, v in raw.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
@@ -204,7 +210,7 @@ class SandboxesHandler(_Base):
     async def post(self) -> None:
         doc = self.body()
         sid, tenant = doc.get("id"), doc.get("tenant")
-        self.audit.update(sandbox=sid, tenant=tenant)
+        self.claimed.update(sandbox=sid, tenant=tenant)
         labels = _str_dict(doc, "labels")
         req = CreateRequest(sandbox_id=sid if isinstance(sid, str) else "",
                             tenant=tenant if isinstance(tenant, str) else "",
@@ -244,7 +250,8 @@ class ExecHandler(_Base):
         cwd = doc.get("cwd", "/workspace")
         if not isinstance(cwd, str):
             raise ApiError(400, "invalid", "cwd must be a string")
-        self.audit.update(sandbox=sid, program=argv[0])   # not the arguments: they may carry data
+        self.audit["sandbox"] = sid
+        self.claimed["program"] = argv[0]   # not the arguments: they may carry data
         res = await self.run(self.manager.exec, sid, argv, timeout=float(timeout), env=_str_dict(doc, "env"),
                              stdin=stdin, cwd=cwd)
         self.audit["exit_code"] = res.exit_code
@@ -281,7 +288,8 @@ class FilesHandler(_Base):
 
     async def put(self, sid: str) -> None:
         path = self._path()
-        self.audit.update(sandbox=sid, path=path)
+        self.audit["sandbox"] = sid
+        self.claimed["path"] = path
         await self.run(self.manager.write_file, sid, path, self.request.body)
         self.reply(204)
 

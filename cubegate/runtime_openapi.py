@@ -11,7 +11,8 @@ def _json(ref: str) -> dict:
 
 
 def openapi_document() -> dict:
-    errors = {"400": _ERR, "401": _ERR, "404": _ERR, "409": _ERR, "500": _ERR}
+    errors = {"400": _ERR, "401": _ERR, "404": _ERR, "409": _ERR, "500": _ERR,
+              "503": {**_ERR, "description": "vault sealed: the request cannot be checked for secrets"}}
     return {
         "openapi": "3.1.0",
         "info": {"title": "cubegate sandbox API", "version": "1"},
