@@ -68,8 +68,7 @@ class DnsMetrics:
 class SandboxDns:
     def __init__(self, *, lookup: Any, policies: Any, resolver: Any, audit: Any, ttl: int = TTL,
                  audit_interval: float = 60.0, max_new_names: int = 120,
-                 metrics_registry: CollectorRegistry | None = None,
-                 aggregator: AnswerAggregator | None = None, limiter: NewNameLimiter | None = None):
+                 metrics_registry: CollectorRegistry | None = None):
         self.lookup = lookup            # .lookup_by_ip(ip) -> Identity | None  (None: every query REFUSED)
         self.policies = policies        # PolicyStore (.current: CompiledPolicySet)
         self.resolver = resolver        # egress.netguard.GuardedResolver
@@ -77,8 +76,8 @@ class SandboxDns:
         self.ttl = ttl
         self.audit_interval = audit_interval
         self.metrics = DnsMetrics(metrics_registry)
-        self.aggregator = aggregator or AnswerAggregator()
-        self.limiter = limiter or NewNameLimiter(max_new_names)
+        self.aggregator = AnswerAggregator()
+        self.limiter = NewNameLimiter(max_new_names)
         self._since = now_ts()           # start of the current aggregation interval
         self._unwritten: collections.deque[dict] = collections.deque()  # of a failed flush, retried first
         self._transport: asyncio.DatagramTransport | None = None
