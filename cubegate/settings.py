@@ -198,6 +198,12 @@ def _validate(s: Settings) -> Settings:
         raise SettingsError(f"dns.port: must be a port number 1-65535, got {dp!r}")
     if s.dns.listen_host is not None and not isinstance(s.dns.listen_host, str):
         raise SettingsError(f"dns.listen_host: expected a string, got {s.dns.listen_host!r}")
+    ai = s.dns.audit_interval_seconds
+    if not isinstance(ai, (int, float)) or isinstance(ai, bool) or not 0 < ai <= 3600:
+        raise SettingsError(f"dns.audit_interval_seconds: must be a number of seconds in (0, 3600], got {ai!r}")
+    nn = s.dns.max_new_names_per_minute
+    if not isinstance(nn, int) or isinstance(nn, bool) or nn < 1:
+        raise SettingsError(f"dns.max_new_names_per_minute: must be an integer >= 1, got {nn!r}")
     rt = s.runtime
     if rt.enabled and not tp:
         raise SettingsError("runtime.enabled needs proxy.transparent_port: sandbox traffic is steered there")
