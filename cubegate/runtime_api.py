@@ -11,7 +11,11 @@
     POST   /v1/sandboxes/{id}/pause | resume
     GET    /v1/openapi.json
 
-Bodies: cubegate/runtime_models.py (validation and the OpenAPI document).
+Bodies: cubegate/runtime_models.py (validation and the OpenAPI document). Every
+string of a JSON body is checked for real secret values of the tenant before a
+model sees it (a validation error may name a dict key or an unknown field: it
+must never be a key's value); such a request is 400 naming secret ids only and
+audited without what it claimed; a sealed vault makes these requests 503.
 Tokens: the daemon's runtime token file (created 0600 at first start) or a vault
 admin token. Blocking backend calls run in a dedicated thread pool so a long
 exec never stalls the gateway's event loop.
@@ -22,6 +26,7 @@ import asyncio
 import base64
 import hashlib
 import hmac
+import json
 import os
 import secrets
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +38,8 @@ from httpkit import AuditHook, JsonHandler, PathParam, operation
 from cubegate import runtime_models as m
 from sandbox_runtime.backend import Limits, NotSupported, SandboxError
 from sandbox_runtime.capacity import CapacityError
-from sandbox_runtime.manager import SANDBOX_ID_RE, Conflict, CreateRequest, InvalidRequest, NotFound, SandboxManager
+from sandbox_runtime.manager import (SANDBOX_ID_RE, Conflict, CreateRequest, InvalidRequest, NotFound, SandboxManager,
+                                     SecretRefused, Unavailable)
 
 MAX_BODY = 48 * 1024 * 1024
 
@@ -67,24 +73,72 @@ class _Base(JsonHandler):
     realm = "cubegate-runtime"
     error_map = [(NotFound, 404, "not_found"), (Conflict, 409, "conflict"), (InvalidRequest, 400, "invalid"),
                  (CapacityError, 429, "capacity"), (NotSupported, 501, "not_supported"),
-                 (SandboxError, 500, "sandbox_error")]
+                 (Unavailable, 503, "unavailable"), (SandboxError, 500, "sandbox_error")]
 
     def initialize(self, manager: SandboxManager, tokens: TokenCheck, pool: ThreadPoolExecutor,
                    audit_hook: AuditHook | None) -> None:
         super().initialize(audit_hook)
         self.manager, self.tokens, self.pool = manager, tokens, pool
+        self.claimed: dict = {}          # audit fields taken from the request body/query:
+        self.secret_refused = False      # dropped when the request carried a secret value
 
     def authenticate(self, token: str) -> str | None:
         return self.tokens.actor(token)
+
+    def prepare(self):
+        super().prepare()   # auth first
+        op = httpkit.operation_of(type(self), self.request.method.lower())
+        if op is not None and op.body is not None:
+            return self._screen()   # awaited by tornado before the method (and its model) runs
+        return None
+
+    async def _screen(self) -> None:
+        """The body's strings (keys too) checked for real secret values before validation."""
+        sandbox_id, tenant = self.secret_owner()
+        texts = json_strings(self.request.body)
+        await self.run(self.manager.refuse_real_secrets, sandbox_id, texts, tenant=tenant)
+
+    def secret_owner(self) -> tuple[str, str | None]:
+        """(sandbox id, tenant) whose secrets the body is checked for; None: the sandbox's tenant."""
+        return self.path_kwargs["id"], None
+
+    def _handle_request_exception(self, e: BaseException) -> None:
+        self.secret_refused = isinstance(e, SecretRefused)
+        super()._handle_request_exception(e)
 
     def audit_record(self) -> dict | None:
         if self.request.method == "GET":
             return None
         return {"action": self.action, "actor": self.actor, "status": self.get_status(), "outcome": self.outcome(),
-                "reason": self.reason, "remote": self.request.remote_ip, **self.audit}
+                "reason": self.reason, "remote": self.request.remote_ip,
+                **({} if self.secret_refused else self.claimed), **self.audit}
 
     async def run(self, fn, *args, **kw):
         return await asyncio.get_running_loop().run_in_executor(self.pool, lambda: fn(*args, **kw))
+
+
+class _Pairs(list):
+    """A JSON object as its (key, value) pairs: a repeated key is kept too."""
+
+
+def json_strings(raw: bytes) -> list[str]:
+    """Every key and string value of a JSON document ([] if it is not JSON: the model refuses it)."""
+    try:
+        stack = [json.loads(raw or b"{}", object_pairs_hook=_Pairs)]
+    except (ValueError, RecursionError):
+        return []
+    out: list[str] = []
+    while stack:   # iterative: nesting depth is the sender's choice
+        node = stack.pop()
+        if isinstance(node, str):
+            out.append(node)
+        elif isinstance(node, _Pairs):
+            for key, value in node:
+                out.append(key)
+                stack.append(value)
+        elif isinstance(node, list):
+            stack += node
+    return out
 
 
 def _utf8_or_none(data: bytes) -> str | None:
@@ -98,14 +152,18 @@ def _utf8_or_none(data: bytes) -> str | None:
 class SandboxesHandler(_Base):
     action = "sandbox"
 
+    def secret_owner(self) -> tuple[str, str | None]:
+        owner = httpkit.parse_body(m.Owner, self.request.body)   # its errors name id/tenant only
+        return owner.id, owner.tenant
+
     @operation("List sandboxes", reply=m.SandboxList)
     async def get(self) -> None:
         self.reply(200, {"sandboxes": await self.run(self.manager.list)})
 
     @operation("Create a sandbox; 201 once its agent answered and its network is attached", body=m.CreateSandbox,
-               status=201, reply=m.Sandbox, errors=(409, 429, 500))
+               status=201, reply=m.Sandbox, errors=(409, 429, 500, 503))
     async def post(self, body: m.CreateSandbox) -> None:
-        self.audit.update(sandbox=body.id, tenant=body.tenant)
+        self.claimed.update(sandbox=body.id, tenant=body.tenant)
         default: Limits = self.settings["default_limits"]
         limits = Limits(**{**default.__dict__, **body.limits.model_dump(exclude_none=True)})
         req = CreateRequest(sandbox_id=body.id, tenant=body.tenant,
@@ -131,9 +189,11 @@ class SandboxHandler(_Base):
 class ExecHandler(_Base):
     action = "sandbox.exec"
 
-    @operation("Run a command through the sandbox's agent", body=m.Exec, reply=m.ExecResult, errors=(404, 409))
+    @operation("Run a command through the sandbox's agent", body=m.Exec, reply=m.ExecResult,
+               errors=(404, 409, 503))
     async def post(self, id: str, body: m.Exec) -> None:
-        self.audit.update(sandbox=id, program=body.argv[0])   # not the arguments: they may carry data
+        self.audit["sandbox"] = id
+        self.claimed["program"] = body.argv[0]   # not the arguments: they may carry data
         res = await self.run(self.manager.exec, id, body.argv, timeout=body.timeout, env=body.env,
                              stdin=body.stdin_b64, cwd=body.cwd)
         self.audit["exit_code"] = res.exit_code
@@ -148,7 +208,7 @@ class InitHandler(_Base):
     action = "sandbox.init"
 
     @operation("Idempotent: re-apply env (with the tenant's current placeholders) and files", body=m.Init,
-               reply=m.InitResult, errors=(404, 409))
+               reply=m.InitResult, errors=(404, 409, 503))
     async def post(self, id: str, body: m.Init) -> None:
         self.audit["sandbox"] = id
         self.reply(200, await self.run(self.manager.init, id, env=body.env, files=body.files,
@@ -165,9 +225,10 @@ class FilesHandler(_Base):
         self.finish(data)
 
     @operation("Write a file (raw body)", query=m.FileQuery, raw_body="application/octet-stream", status=204,
-               errors=(404, 409))
+               errors=(404, 409, 503))
     async def put(self, id: str, query: m.FileQuery) -> None:
-        self.audit.update(sandbox=id, path=query.path)
+        self.audit["sandbox"] = id
+        self.claimed["path"] = query.path
         await self.run(self.manager.write_file, id, query.path, self.request.body)
         self.reply(204)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import vault as vaultlib
 from cubegate.l4sync import l4_allow_for
-from sandbox_runtime.backend import SandboxError
-from sandbox_runtime.manager import InvalidRequest
+from egress.identity import IdentityError
+from sandbox_runtime.manager import InvalidRequest, Unavailable
 
 
 class DaemonHooks:
@@ -20,7 +20,10 @@ class DaemonHooks:
                                  f"{policy.tenant!r}, not {tenant!r}")
         # The runtime owns the identity of the sandboxes it creates; the proxy token is
         # not needed in transparent mode and is discarded.
-        self.d.identities.add(sandbox_id, labels, replace=True)
+        try:
+            self.d.identities.add(sandbox_id, labels, replace=True)
+        except IdentityError:   # its message quotes the label value: say what is wrong, not what was sent
+            raise InvalidRequest("labels: keys and values must match [A-Za-z0-9_./-], at most 63 chars") from None
 
     def forget(self, sandbox_id: str) -> None:
         self.d.identities.remove(sandbox_id)
@@ -35,7 +38,7 @@ class DaemonHooks:
         try:
             return v.placeholders_for_sandbox(tenant, sandbox_id)
         except vaultlib.VaultError as e:   # sealed/corrupt: cannot check, so refuse (fail closed)
-            raise SandboxError(f"vault unavailable, cannot check for secrets: {e}") from None
+            raise Unavailable(f"vault unavailable, cannot check the request for secrets: {e}") from None
 
     def real_secrets_in(self, tenant: str, sandbox_id: str, data: str) -> list[str]:
         v = self.d.vault
@@ -44,4 +47,4 @@ class DaemonHooks:
         try:
             return v.find_leaks(tenant, sandbox_id, data)
         except vaultlib.VaultError as e:
-            raise SandboxError(f"vault unavailable, cannot check for secrets: {e}") from None
+            raise Unavailable(f"vault unavailable, cannot check the request for secrets: {e}") from None

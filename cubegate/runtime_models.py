@@ -10,7 +10,7 @@ import base64
 import binascii
 from typing import Annotated, Literal
 
-from pydantic import Field, PlainValidator, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
 from httpkit import Body, Reply
@@ -57,6 +57,14 @@ class CreateSandbox(Body):
     env: StrMap = {}
     files: dict[str, Base64] = Field({}, description="path under /workspace -> base64 content")
     secret_env: StrMap = Field({}, description="ENV_NAME -> vault secret id (gets its placeholder)")
+
+
+class Owner(BaseModel):
+    """The id and tenant of a create, validated first: the secret check of the whole body needs
+    them. Its errors name these two fields only (never a key of the body)."""
+    model_config = ConfigDict(extra="ignore", hide_input_in_errors=True)
+    id: SandboxId
+    tenant: Name
 
 
 class Exec(Body):

@@ -13,41 +13,76 @@ same lookup transparent mode uses) gets:
 - other query types for an allowed name: empty NOERROR; opcodes other than
   QUERY: NOTIMP.
 
-Allowed answers are not audited (one record per lookup would double the log;
-the connection that follows is audited by the gate). If a deny record cannot
-be written the answer is SERVFAIL (fail closed, like the gate).
+Allowed answers are audited aggregated (cubegate.dns_accounting): one record
+per (sandbox, name) per ``audit_interval`` — decision allow, reason
+"dns_allowed", extra queries/answers/qtypes/scope/since — written at the end of
+each interval and at stop. Names allowed by a wildcard (not by an exact host
+rule) are limited per sandbox and wildcard to ``max_new_names`` distinct new
+names per minute; beyond it: NXDOMAIN, never forwarded upstream, reason
+"dns_name_rate_limited" (the first refusal per sandbox and wildcard in an
+interval at once, then one record per interval with the count). If a record
+cannot be written the answer is SERVFAIL (fail closed, like the gate); after a
+failed interval flush, allowed names get SERVFAIL until the records are written.
 
 The sandbox never talks to an upstream DNS server itself: names it cannot
-resolve here it cannot exfiltrate data through.
+resolve here it cannot exfiltrate data through. What remains open (an allowed
+wildcard whose authoritative server an attacker runs): see README "Sandbox DNS".
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import socket
 import struct
+import time
 from typing import Any
 
 from dnslib import AAAA, QTYPE, RCODE, RR, A, DNSRecord
+from prometheus_client import CollectorRegistry, Counter
 
-from egress.audit.record import make_record
+from cubegate.dns_accounting import FULL, LIMITED, AnswerAggregator, Interval, NewNameLimiter
+from egress.audit.record import make_record, now_ts
 from egress.netguard import DestinationBlocked, DestinationUnresolvable
 
 log = logging.getLogger("cubegate.dns")
 
 TTL = 30
 _MAX_TCP_MSG = 65535
+_RETRY_SECONDS = 1.0     # a failed flush is retried this often (allowed names get SERVFAIL meanwhile)
+_MAX_UNWRITTEN = 50_000  # records kept for a retry while the audit log fails
+
+
+class DnsMetrics:
+    def __init__(self, registry: CollectorRegistry | None):
+        r = registry or CollectorRegistry()
+        self.queries = Counter("cubegate_dns_queries_total", "Sandbox DNS queries by outcome",
+                               ["sandbox", "result"], registry=r)
+        self.overflow = Counter("cubegate_dns_audit_overflow_total",
+                                "Allowed DNS queries counted only in the overflow record (aggregation key cap)",
+                                ["sandbox"], registry=r)
+        self.records = Counter("cubegate_dns_audit_records_total", "DNS audit records written, by kind",
+                               ["kind"], registry=r)
 
 
 class SandboxDns:
-    def __init__(self, *, lookup: Any, policies: Any, resolver: Any, audit: Any, ttl: int = TTL):
+    def __init__(self, *, lookup: Any, policies: Any, resolver: Any, audit: Any, ttl: int = TTL,
+                 audit_interval: float = 60.0, max_new_names: int = 120,
+                 metrics_registry: CollectorRegistry | None = None):
         self.lookup = lookup            # .lookup_by_ip(ip) -> Identity | None  (None: every query REFUSED)
         self.policies = policies        # PolicyStore (.current: CompiledPolicySet)
         self.resolver = resolver        # egress.netguard.GuardedResolver
         self.audit = audit              # AuditLog (.append(record))
         self.ttl = ttl
+        self.audit_interval = audit_interval
+        self.metrics = DnsMetrics(metrics_registry)
+        self.aggregator = AnswerAggregator()
+        self.limiter = NewNameLimiter(max_new_names)
+        self._since = now_ts()           # start of the current aggregation interval
+        self._unwritten: collections.deque[dict] = collections.deque()  # of a failed flush, retried first
         self._transport: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.AbstractServer | None = None
+        self._flusher: asyncio.Task | None = None
         self._pending: set[asyncio.Task] = set()
         self._lost: asyncio.Future | None = None
 
@@ -58,6 +93,7 @@ class SandboxDns:
         self._transport, _ = await loop.create_datagram_endpoint(
             lambda: _UdpProtocol(self), local_addr=(host, port))
         self._tcp = await asyncio.start_server(self._tcp_client, host, port)
+        self._flusher = loop.create_task(self._flush_loop(), name="dns-audit-flush")
         log.info("sandbox DNS on %s:%s (udp+tcp)", host, port)
 
     async def serve(self) -> None:
@@ -80,6 +116,73 @@ class SandboxDns:
         for t in list(self._pending):
             t.cancel()
         await asyncio.gather(*self._pending, return_exceptions=True)
+        if self._flusher is not None:
+            self._flusher.cancel()
+            await asyncio.gather(self._flusher, return_exceptions=True)
+            self._flusher = None
+        await self.flush()   # the last interval's counters are written at shutdown too
+
+    # ------------------------------------------------------------- aggregated audit
+    async def _flush_loop(self) -> None:
+        next_flush = time.monotonic() + self.audit_interval
+        while True:
+            wait = next_flush - time.monotonic()
+            if self._unwritten:
+                wait = min(wait, _RETRY_SECONDS)
+            await asyncio.sleep(max(0.0, wait))
+            if time.monotonic() >= next_flush:
+                next_flush = time.monotonic() + self.audit_interval
+                await self.flush()
+            elif self._unwritten:
+                await self._write_pending()
+
+    async def flush(self) -> bool:
+        """End the interval: its counters become records (written now). False if some could not be."""
+        interval, since = self.aggregator.drain(), self._since
+        self._since = now_ts()
+        self.limiter.sweep(time.monotonic())
+        self._unwritten.extend(self._interval_records(interval, since))
+        dropped = 0
+        while len(self._unwritten) > _MAX_UNWRITTEN:  # bounded even while the log keeps failing
+            self._unwritten.popleft()
+            dropped += 1
+        if dropped:
+            log.error("sandbox DNS: %d aggregated audit records dropped (audit log failing)", dropped)
+        return await self._write_pending()
+
+    async def _write_pending(self) -> bool:
+        written = 0
+        while self._unwritten:
+            rec = self._unwritten[0]
+            try:
+                self.audit.append(rec)
+            except Exception as e:  # noqa: BLE001 - fail closed below, retry later
+                log.error("sandbox DNS: aggregated audit append failed, allowed names get SERVFAIL: %s", e)
+                return False
+            self._unwritten.popleft()
+            self.metrics.records.labels(rec["reason"]).inc()
+            written += 1
+            if written % 256 == 0:
+                await asyncio.sleep(0)   # thousands of names: let the gateway's flows run in between
+        return True
+
+    def _interval_records(self, it: Interval, since: str) -> list[dict]:
+        base = {"since": since, "interval_s": self.audit_interval}
+        out = []
+        for (sandbox, name), c in it.names.items():
+            out.append(make_record("dns", sandbox=sandbox, host=name, decision="allow", reason="dns_allowed",
+                                   extra={**base, "queries": c.queries, "answers": c.answers,
+                                          "qtypes": c.qtypes_text(), "scope": c.scope}))
+        for (sandbox, scope), c in it.limited.items():
+            out.append(make_record("dns", sandbox=sandbox, host=scope, decision="deny",
+                                   reason="dns_name_rate_limited",
+                                   extra={**base, "refused": c.refused, "first_name": c.first_name,
+                                          "limit_per_minute": self.limiter.limit}))
+        for sandbox, n in it.overflow.items():
+            out.append(make_record("dns", sandbox=None if sandbox == "*" else sandbox,
+                                   reason="dns_audit_overflow",
+                                   extra={**base, "queries": n, "max_keys": self.aggregator.max_keys}))
+        return out
 
     def _spawn(self, coro) -> None:
         t = asyncio.get_running_loop().create_task(coro)
@@ -134,20 +237,42 @@ class SandboxDns:
         qname = str(q.qname).rstrip(".").lower()
         ident = self.lookup.lookup_by_ip(client_ip) if self.lookup is not None else None
         if ident is None:
+            self.metrics.queries.labels("", "refused").inc()
             reply.header.rcode = RCODE.REFUSED
             return reply.pack()
+        sandbox = ident.sandbox_id
         client = f"{client_ip}:{client_port}"
+        qtype = QTYPE.get(q.qtype, str(q.qtype))
         policies = self.policies.current
-        if policies is None or not qname or not policies.name_may_resolve(ident.sandbox_id, ident.labels, qname):
+        if policies is None or not qname or not policies.name_may_resolve(sandbox, ident.labels, qname):
+            self.metrics.queries.labels(sandbox, "not_allowed").inc()
             reply.header.rcode = RCODE.NXDOMAIN if self._deny(ident, client, qname, "dns_not_allowed", q.qtype) \
                 else RCODE.SERVFAIL
             return reply.pack()
+        if self._unwritten:   # the last interval's records are not written yet: answer nothing new
+            self.metrics.queries.labels(sandbox, "audit_failed").inc()
+            reply.header.rcode = RCODE.SERVFAIL
+            return reply.pack()
+        scope = policies.resolve_scope(sandbox, ident.labels, qname)
+        if scope is not None:
+            verdict = self.limiter.admit(sandbox, scope, qname, time.monotonic())
+            if verdict in (LIMITED, FULL):
+                self.metrics.queries.labels(sandbox, "rate_limited").inc()
+                ok = True
+                if self.aggregator.limited(sandbox, scope, qname):
+                    reason = "dns_name_rate_limited" if verdict == LIMITED else "dns_limiter_full"
+                    ok = self._deny(ident, client, qname, reason, q.qtype,
+                                    scope=scope, limit_per_minute=self.limiter.limit)
+                reply.header.rcode = RCODE.NXDOMAIN if ok else RCODE.SERVFAIL
+                return reply.pack()
         if q.qtype not in (QTYPE.A, QTYPE.AAAA):
+            self._answered(sandbox, qname, qtype, 0, scope)
             return reply.pack()  # allowed name, no data of that type here
         try:
             addrs = await self.resolver.resolve(qname)
         except DestinationBlocked as e:
             # Every address is private/loopback/...: the sandbox learns none of them.
+            self.metrics.queries.labels(sandbox, "ssrf_blocked").inc()
             if not self._deny(ident, client, qname, f"ssrf_{e.reason}", q.qtype):
                 reply.header.rcode = RCODE.SERVFAIL
             return reply.pack()
@@ -156,9 +281,11 @@ class SandboxDns:
                 reply.header.rcode = RCODE.NXDOMAIN
             elif e.detail != "no A or AAAA records":
                 reply.header.rcode = RCODE.SERVFAIL
+            self._answered(sandbox, qname, qtype, 0, scope)
             return reply.pack()
         except Exception as e:  # never let one query kill the server
             log.warning("sandbox DNS: resolving %s failed: %s", qname, e)
+            self._answered(sandbox, qname, qtype, 0, scope)
             reply.header.rcode = RCODE.SERVFAIL
             return reply.pack()
         want = socket.AF_INET if q.qtype == QTYPE.A else socket.AF_INET6
@@ -166,14 +293,21 @@ class SandboxDns:
             if family == want:
                 rdata = A(ip) if family == socket.AF_INET else AAAA(ip)
                 reply.add_answer(RR(q.qname, q.qtype, rdata=rdata, ttl=self.ttl))
+        self._answered(sandbox, qname, qtype, len(reply.rr), scope)
         return reply.pack()
 
-    def _deny(self, ident, client: str, qname: str, reason: str, qtype: int) -> bool:
+    def _answered(self, sandbox: str, qname: str, qtype: str, answers: int, scope: str | None) -> None:
+        self.metrics.queries.labels(sandbox, "allowed").inc()
+        if not self.aggregator.answered(sandbox, qname, qtype, answers, scope):
+            self.metrics.overflow.labels(sandbox).inc()
+
+    def _deny(self, ident, client: str, qname: str, reason: str, qtype: int, **extra) -> bool:
         """Audit a refused lookup; False if the record could not be written."""
         try:
             rec = make_record("dns", sandbox=ident.sandbox_id, client=client, host=qname,
-                              decision="deny", reason=reason, extra={"qtype": QTYPE.get(qtype, str(qtype))})
+                              decision="deny", reason=reason, extra={"qtype": QTYPE.get(qtype, str(qtype)), **extra})
             self.audit.append(rec)
+            self.metrics.records.labels(reason).inc()
             return True
         except Exception as e:
             log.error("sandbox DNS: audit append failed, answering SERVFAIL: %s", e)
@@ -197,7 +331,8 @@ async def start_for(daemon) -> SandboxDns | None:
     if not s.listen_host:
         return None
     srv = SandboxDns(lookup=getattr(daemon.gate, "sandbox_lookup", None), policies=daemon.policies,
-                     resolver=daemon.resolver, audit=daemon.audit)
+                     resolver=daemon.resolver, audit=daemon.audit, audit_interval=s.audit_interval_seconds,
+                     max_new_names=s.max_new_names_per_minute, metrics_registry=daemon.metrics.registry)
     await srv.start(s.listen_host, s.port)
     return srv
 

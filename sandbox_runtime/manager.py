@@ -46,6 +46,15 @@ class InvalidRequest(SandboxError):
     pass
 
 
+class SecretRefused(InvalidRequest):
+    """A request carried the real value of a secret. Its message names secret ids only, and
+    nothing else of the request may be echoed or audited."""
+
+
+class Unavailable(SandboxError):
+    """What the request needs is not available now (the vault is sealed): retry later."""
+
+
 class RuntimeHooks(Protocol):
     def register(self, sandbox_id: str, tenant: str, labels: dict[str, str]) -> None:
         """Make the gateway know the sandbox (identity + labels); raise SandboxError if the
@@ -59,7 +68,8 @@ class RuntimeHooks(Protocol):
         """{secret_id: placeholder} for the tenant's placeholder bindings ({} without a vault)."""
 
     def real_secrets_in(self, tenant: str, sandbox_id: str, data: str) -> list[str]:
-        """Secret ids whose real value occurs in `data` (placeholders are fine)."""
+        """Secret ids whose real value occurs in `data` (placeholders are fine).
+        Both raise Unavailable when they cannot tell (sealed vault): the caller refuses."""
 
 
 class NoHooks:
@@ -92,14 +102,33 @@ def placeholder_env(placeholders: dict[str, str], secret_env: dict[str, str]) ->
     return env
 
 
-def validate_request(req: CreateRequest) -> None:
-    if not ids.is_sandbox_id(req.sandbox_id):
+def validate_owner(req: CreateRequest) -> None:
+    """Id and tenant first: the secret check needs them, and these messages echo nothing."""
+    if not isinstance(req.sandbox_id, str) or not ids.is_sandbox_id(req.sandbox_id):
         raise InvalidRequest(f"id must match {ids.PATTERN}")
-    if not re.fullmatch(r"[a-z0-9][a-z0-9_.-]{0,63}", req.tenant or ""):
+    if not isinstance(req.tenant, str) or not re.fullmatch(r"[a-z0-9][a-z0-9_.-]{0,63}", req.tenant):
         raise InvalidRequest("tenant must match [a-z0-9][a-z0-9_.-]{0,63}")
+
+
+def request_strings(req: CreateRequest) -> list[str]:
+    """Every string a create request carries into the sandbox, its records or an error message."""
+    out = [req.sandbox_id, req.tenant, str(req.backend)]
+    for mapping in (req.labels, req.env, req.secret_env):
+        for k, v in mapping.items():
+            out += [str(k), str(v)]
+    out += [str(p) for p in req.files]
+    return out
+
+
+def validate_request(req: CreateRequest) -> None:
+    """The rest, after the secret check (these messages may quote names)."""
     validate_env(req.env)
     validate_files(req.files)
-    for name in req.secret_env:
+    validate_secret_env(req.secret_env)
+
+
+def validate_secret_env(secret_env: dict) -> None:
+    for name in secret_env:
         if not ENV_NAME_RE.fullmatch(name):
             raise InvalidRequest(f"secret_env: bad variable name {name!r}")
 
@@ -144,6 +173,10 @@ class SandboxManager:
 
     # ------------------------------------------------------------------ create
     def create(self, req: CreateRequest) -> dict:
+        validate_owner(req)
+        placeholders = self.hooks.placeholders(req.tenant, req.sandbox_id)
+        self._refuse_real_secrets(req.tenant, req.sandbox_id, request_strings(req),
+                                  b"\n".join(req.files.values()), placeholders)
         validate_request(req)
         backend = self._backend(req.backend)
         rec = SandboxRecord(req.sandbox_id, req.tenant, req.backend, dict(req.labels), req.limits)
@@ -163,7 +196,7 @@ class SandboxManager:
             labels = {**req.labels, "tenant": req.tenant}
             self.hooks.register(req.sandbox_id, req.tenant, labels)
             registered = True
-            env = self._runtime_env(req.tenant, req.sandbox_id, req.env, req.secret_env, req.files)
+            env = {**req.env, **placeholder_env(placeholders, req.secret_env)}
             net = self.switch.attach_sandbox(req.sandbox_id, l4_allow=self.hooks.l4_allow(req.sandbox_id, labels))
             attached = True
             spec = SandboxSpec(req.sandbox_id, req.tenant, req.backend, req.limits, env, dict(req.files))
@@ -193,27 +226,32 @@ class SandboxManager:
             except Exception as e:  # noqa: BLE001 - keep undoing; report what is left
                 log.error("sandbox %s: undo %s failed: %s", rec.id, what, e)
 
-    def _runtime_env(self, tenant, sandbox_id, env, secret_env, files) -> dict:
-        placeholders = self.hooks.placeholders(tenant, sandbox_id)
-        full = {**env, **placeholder_env(placeholders, secret_env)}
-        self._refuse_real_secrets(tenant, sandbox_id, "\n".join(full.values()), b"\n".join(files.values()),
-                                  placeholders)
-        return full
+    def refuse_real_secrets(self, sandbox_id: str, texts: list[str], *, tenant: str | None = None) -> None:
+        """The same check for a caller that sees request data before the manager does (an API
+        whose validation errors could quote it): the tenant's secrets, or the sandbox's tenant's
+        when none is given (NotFound without that sandbox)."""
+        if tenant is None:
+            tenant = self.get_record(sandbox_id).tenant
+        self._refuse_real_secrets(tenant, sandbox_id, texts)
 
-    def _refuse_real_secrets(self, tenant: str, sandbox_id: str, text: str, data: bytes = b"",
+    def _refuse_real_secrets(self, tenant: str, sandbox_id: str, texts: list[str], data: bytes = b"",
                              placeholders: dict[str, str] | None = None) -> None:
-        """Every way in (env, files, stdin) is checked: a real key never enters a sandbox."""
-        if not text and not data:
+        """Every way in (create/init fields, files, exec argv/cwd/env/stdin, uploads) is checked:
+        a real key never enters a sandbox. Placeholders are fine. A sealed vault cannot tell:
+        Unavailable (fail closed) whenever there is anything to check."""
+        texts = [t for t in texts if t]
+        if not texts and not data:
             return
-        blob = text + "\n" + data.decode("latin-1")
+        # Fields joined by NUL (never inside a secret): a value split across two fields is no match.
+        blob = "\0".join(texts) + "\0" + data.decode("latin-1")
         if placeholders is None:
             placeholders = self.hooks.placeholders(tenant, sandbox_id)
         for ph in placeholders.values():
             blob = blob.replace(ph, "")
         leaked = self.hooks.real_secrets_in(tenant, sandbox_id, blob)
         if leaked:
-            raise InvalidRequest(f"request contains the real value of secret(s) {', '.join(sorted(leaked))}; "
-                                 "sandboxes get placeholders only (use secret_env)")
+            raise SecretRefused(f"request contains the real value of secret(s) {', '.join(sorted(leaked))}; "
+                                "sandboxes get placeholders only (use secret_env)")
 
     # ------------------------------------------------------------------ init (idempotent)
     def init(self, sandbox_id: str, *, env: dict | None = None, files: dict | None = None,
@@ -222,9 +260,13 @@ class SandboxManager:
         become the base env of later execs, the given files are (re)written. Same call, same result."""
         rec = self._running(sandbox_id)
         env, files, secret_env = env or {}, files or {}, secret_env or {}
+        placeholders = self.hooks.placeholders(rec.tenant, sandbox_id)
+        texts = [str(x) for m in (env, secret_env) for kv in m.items() for x in kv] + [str(p) for p in files]
+        self._refuse_real_secrets(rec.tenant, sandbox_id, texts, b"\n".join(files.values()), placeholders)
         validate_env(env)
         validate_files(files)
-        full = self._runtime_env(rec.tenant, sandbox_id, env, secret_env, files)
+        validate_secret_env(secret_env)
+        full = {**env, **placeholder_env(placeholders, secret_env)}
         b = self._backend(rec.backend)
         b.set_env(rec.handle, full)
         for path, data in files.items():
@@ -238,9 +280,14 @@ class SandboxManager:
             raise InvalidRequest("argv must be a non-empty list of strings")
         if not 0 < timeout <= 3600:
             raise InvalidRequest("timeout must be in (0, 3600] seconds")
-        validate_env(env or {})
+        if not isinstance(cwd, str) or "\0" in cwd:
+            raise InvalidRequest("cwd must be a string without NUL")
         rec = self._running(sandbox_id)
-        self._refuse_real_secrets(rec.tenant, rec.id, "\n".join((env or {}).values()), stdin)
+        env = env or {}
+        # argv and cwd too: `sh -c 'echo <key> > f'` would put the key into the sandbox.
+        self._refuse_real_secrets(rec.tenant, rec.id, [*argv, cwd, *(str(x) for kv in env.items() for x in kv)],
+                                  stdin)
+        validate_env(env)
         try:
             res = self._backend(rec.backend).exec(rec.handle, argv, timeout=timeout, env=env, stdin=stdin, cwd=cwd)
         except SandboxError:
@@ -251,7 +298,7 @@ class SandboxManager:
 
     def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         rec = self._running(sandbox_id)
-        self._refuse_real_secrets(rec.tenant, rec.id, "", data)
+        self._refuse_real_secrets(rec.tenant, rec.id, [path], data)
         self._backend(rec.backend).write_file(rec.handle, path, data, mode)
 
     def read_file(self, sandbox_id: str, path: str) -> bytes:
@@ -409,4 +456,4 @@ class SandboxManager:
 
 
 __all__ = ["SandboxManager", "CreateRequest", "RuntimeHooks", "NoHooks", "NotFound", "Conflict",
-           "InvalidRequest", "SandboxError", "CapacityError", "NotSupported", "Handle"]
+           "InvalidRequest", "SecretRefused", "Unavailable", "SandboxError", "CapacityError", "NotSupported", "Handle"]

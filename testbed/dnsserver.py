@@ -8,7 +8,8 @@ Zone file::
       "api.allowed.test": ["198.18.0.10"],            # A (and AAAA for v6 entries)
       "ula.evil.test": ["fd00::1"],
       "rebind.allowed.test": {"alternate": ["198.18.0.10", "127.0.0.1"]},
-      "slow.test": {"addrs": ["198.18.0.19"], "ttl": 60}
+      "slow.test": {"addrs": ["198.18.0.19"], "ttl": 60},
+      "*.wild.test": ["198.18.0.10"]                   # every name below wild.test (not wild.test)
     }
 
 Plain entries answer with TTL 1; ``alternate`` entries answer one address per
@@ -64,7 +65,7 @@ class ZoneResolver(BaseResolver):
 
     def _answers(self, name: str, qtype: str) -> tuple[list[str], int] | None:
         """Addresses (of the asked family) and TTL, or None for NXDOMAIN."""
-        entry = self._zone.get(name)
+        entry = self._lookup(name)
         if entry is None:
             return None
         version = 6 if qtype == "AAAA" else 4
@@ -81,6 +82,18 @@ class ZoneResolver(BaseResolver):
             addrs, ttl = entry, DEFAULT_TTL
         return [a for a in addrs if ipaddress.ip_address(a).version == version], ttl
 
+    def _lookup(self, name: str) -> object | None:
+        """The exact entry, else the closest "*.<suffix>" entry (an attacker's authoritative
+        server answers every name under its domain)."""
+        if name in self._zone:
+            return self._zone[name]
+        labels = name.split(".")
+        for i in range(1, len(labels)):
+            entry = self._zone.get("*." + ".".join(labels[i:]))
+            if entry is not None:
+                return entry
+        return None
+
     def resolve(self, request, handler):
         reply = request.reply()
         qname = str(request.q.qname)
@@ -89,7 +102,7 @@ class ZoneResolver(BaseResolver):
         with self._lock:
             self._reload()
             found = self._answers(name, qtype) if qtype in ("A", "AAAA") else (
-                [] if name in self._zone else None)
+                [] if self._lookup(name) is not None else None)
         if found is None:
             reply.header.rcode = RCODE.NXDOMAIN
             result = "NXDOMAIN"

@@ -11,6 +11,7 @@ import collections
 import json
 import os
 import threading
+import unicodedata
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -40,14 +41,39 @@ def _resolve_dir(directory: str | None) -> Path:
     return path
 
 
+_NAMED_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\x1b": "\\x1b"}
+
+
+def _escape_char(ch: str) -> str:
+    named = _NAMED_ESCAPES.get(ch)
+    if named is not None:
+        return named
+    # Control (C0, DEL, C1), format (bidi overrides, zero-width), separators: never raw to a
+    # terminal. Everything else, IDN letters included, stays readable.
+    cat = unicodedata.category(ch)
+    if cat[0] == "C" or cat in ("Zl", "Zp"):
+        code = ord(ch)
+        return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+    return ch
+
+
+def terminal_safe(text: str) -> str:
+    """Record text as the table prints it: a record holds what a sandbox sent (paths, hosts),
+    and ESC/CR/... in it must not move the cursor, clear the screen or hide a line.
+    Backslashes are doubled so an escape cannot be forged."""
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(_escape_char(ch) for ch in text)
+
+
 def _cell(value: Any) -> str:
-    return "-" if value is None or value == "" else str(value)
+    return "-" if value is None or value == "" else terminal_safe(str(value))
 
 
 def _row(rec: dict[str, Any]) -> list[str]:
     host = rec.get("host") or rec.get("sni")
     hostport = _cell(host) + (f":{rec['port']}" if rec.get("port") is not None else "")
-    request = " ".join(str(x) for x in (rec.get("method"), rec.get("path")) if x)
+    request = " ".join(str(x) for x in (rec.get("method"), rec.get("path")) if x)  # escaped by _cell
     return [
         _cell(rec.get("ts")), _cell(rec.get("sandbox")), _cell(rec.get("event")),
         _cell(rec.get("decision")), _cell(rec.get("reason")), hostport, _cell(request),

@@ -368,6 +368,26 @@ class CompiledPolicySet:
         _, out = policy.evaluate(host, None, None, None, None, None)
         return out.inspect or not out.deny
 
+    def resolve_scope(self, sandbox_id: str, labels: Mapping[str, str], name: str) -> str | None:
+        """For the DNS resolver's new-name limit, on a name that may resolve: None when an
+        exact host rule allows it (not limited); else the most specific allowing wildcard
+        ("*.x.test"), or "*" when only a host-less rule, the default or report mode lets it through."""
+        try:
+            host, addr = normalize_host_addr(name)
+        except InvalidHost:
+            return "*"
+        policy = self.policy_for(sandbox_id, labels)
+        if addr is not None or policy is None:
+            return "*"
+        depth = 0
+        for spec, rule in _trie_lookup(policy._root, host):
+            if rule.deny:
+                continue
+            if spec == EXACT_HOST:
+                return None
+            depth = max(depth, spec)
+        return "*." + ".".join(host.split(".")[-depth:]) if depth else "*"
+
     def hosts_allowed(self, sandbox_id: str, labels: Mapping[str, str]) -> Callable[[str], bool]:
         """``name -> bool`` bound to one sandbox (see name_may_resolve)."""
         labels = dict(labels)

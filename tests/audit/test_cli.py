@@ -88,3 +88,36 @@ def test_tail_last_n_with_filters(logged):
     res = run("tail", "--dir", str(d), "--sandbox", "sb-alpha")
     lines = res.output.splitlines()
     assert res.exit_code == 0 and len(lines) == 3 and lines[0].startswith("TS")
+
+
+def test_table_escapes_terminal_control_characters_json_stays_exact(audit_dir):
+    # A sandbox controls paths, hosts (SNI) and more: none of it may drive the terminal.
+    hostile = rec(sandbox="sb-x", host="a\x1b]0;owned\x07.test", sni="s\x9bni", port=443, method="GET",
+                  path="/p\x1b[2J\rx\nn\x7f\x85\u202e\u2028\\x1b", rule="r\x00",
+                  decision="deny", reason="why\x1b[31m")
+    with AuditLog(audit_dir, fsync="never") as log:
+        log.append(hostile)
+    res = run("query", "--dir", str(audit_dir))
+    assert res.exit_code == 0, res.output
+    out = res.output
+    for raw in ("\x1b", "\r", "\x07", "\x7f", "\x85", "\x9b", "\u202e", "\u2028", "\x00"):
+        assert raw not in out, repr(raw)
+    lines = out.splitlines()
+    assert len(lines) == 2                       # the embedded \n did not start a row
+    assert "GET /p\\x1b[2J\\rx\\nn\\x7f\\x85\\u202e\\u2028\\\\x1b" in lines[1]
+    assert "a\\x1b]0;owned\\x07.test:443" in lines[1] and "why\\x1b[31m" in lines[1] and "r\\x00" in lines[1]
+    # JSON output: valid JSON, ASCII-only escapes, decodes to exactly the stored record.
+    res = run("query", "--dir", str(audit_dir), "--json")
+    assert "\x1b" not in res.output and "\r" not in res.output
+    assert [json.loads(x) for x in res.output.splitlines()] == [hostile]
+    # tail prints through the same table code.
+    res = run("tail", "--dir", str(audit_dir))
+    assert "\x1b" not in res.output and "\\x1b[2J" in res.output
+
+
+def test_table_keeps_readable_unicode(audit_dir):
+    r = rec(host="bücher.example", path="/ünïcode path")
+    with AuditLog(audit_dir, fsync="never") as log:
+        log.append(r)
+    out = run("query", "--dir", str(audit_dir)).output
+    assert "bücher.example:443" in out and "/ünïcode path" in out

@@ -23,6 +23,8 @@ pytestmark = pytest.mark.netns
 TPORT = 18074
 API_PORT = 18073
 SECRET = "sk-live-runtime-5d4c3b2a1f0e9d8c"
+LABEL_SECRET = "lbl:Secret+9f8e7d6c5b4a3210zz"       # not a valid label value: used to come back in a 500
+HEX_SECRET = "5f1e2d3c4b5a69788796a5b4c3d2e1f0"      # a valid sandbox id
 POLICY = """\
 name: acme-agents
 tenant: acme
@@ -45,6 +47,8 @@ def _vault(gw) -> None:
     os.environ["CUBEGATE_TEST_CANARY"] = CANARY
     gw.cli("vault", "init")
     gw.cli("vault", "secret", "put", "acme", "openai", input=SECRET + "\n")
+    gw.cli("vault", "secret", "put", "acme", "labelkey", input=LABEL_SECRET + "\n")
+    gw.cli("vault", "secret", "put", "acme", "hexkey", input=HEX_SECRET + "\n")
     gw.cli("vault", "binding", "add", "--id", "b-echo", "--tenant", "acme", "--secret", "openai",
            "--host", "echo.allowed.test", "--port", "443", "--header", "Authorization",
            "--format", "Bearer {secret}", "--placeholder")
@@ -171,6 +175,10 @@ def test_real_secret_in_env_is_refused(rt, lab):
         assert r.returncode != 0 and "real value of secret(s) openai" in r.stderr
         r = api(lab, gw, "PUT", "/sandboxes/sb-ok/files?path=/workspace/k", content=SECRET.encode())
         assert r.status_code == 400 and SECRET not in r.text
+        # refused after the handler took the path from the query: the record drops it
+        rec = gw.wait_record(lambda x: x["event"] == "admin" and x["extra"].get("action") == "sandbox.files.put"
+                             and x["status"] == 400)
+        assert "secret(s)" in rec["reason"] and "path" not in rec["extra"] and rec["sandbox"] == "sb-ok", rec
         assert api(lab, gw, "PUT", "/sandboxes/sb-ok/files?path=/workspace/k", content=b"fine").status_code == 204
     finally:
         cli(lab, gw, "rm", "sb-ok", check=False)
@@ -178,6 +186,146 @@ def test_real_secret_in_env_is_refused(rt, lab):
     assert r.returncode != 0 and "real value of secret(s) openai" in r.stderr
     assert SECRET not in r.stderr and SECRET not in gw.log()
     assert api(lab, gw, "GET", "/sandboxes/sb-leak").status_code == 404   # nothing half-made left
+
+
+def test_json_strings_are_every_key_and_string_value_repeated_keys_too():
+    from cubegate.runtime_api import json_strings
+    doc = b'{"env": {"A": 1, "B": ["x", {"C": "y"}]}, "env": {"D": true}}'
+    assert sorted(json_strings(doc)) == ["A", "B", "C", "D", "env", "env", "x", "y"]
+    assert json_strings(b"not json") == [] and json_strings(b"") == []   # the model refuses these itself
+    assert json_strings(b"[" * 100_000) == []                            # too deep: no RecursionError
+
+
+def _no_value_anywhere(gw, *values: str) -> None:
+    """Neither the daemon log nor any audit record holds a secret value."""
+    log, audit = gw.log_path.read_text(errors="replace"), json.dumps(gw.audit_records())
+    for v in values:
+        assert v not in log and v not in audit, v
+
+
+def test_real_secret_in_exec_argv_or_cwd_is_refused(rt, lab):
+    gw, _ = rt
+    create(lab, gw, "sb-argv")
+    try:
+        r = sexec(lab, gw, "sb-argv", "sh", "-c", f"echo {SECRET} > /workspace/k")
+        assert r.returncode != 0 and "real value of secret(s) openai" in r.stderr and SECRET not in r.stderr, r
+        b64 = __import__("base64").b64encode(SECRET.encode()).decode()    # an encoded form is the same key
+        r = sexec(lab, gw, "sb-argv", "sh", "-c", f"echo {b64} | base64 -d > /workspace/k")
+        assert r.returncode != 0 and "secret(s) openai" in r.stderr, r
+        assert sexec(lab, gw, "sb-argv", "test", "-e", "/workspace/k").returncode == 1   # nothing got in
+        for body in ({"argv": ["true"], "cwd": f"/workspace/{SECRET}"},
+                     {"argv": ["true"], "env": {SECRET: "x"}},          # an invalid name: used to be echoed
+                     {"argv": [HEX_SECRET]},
+                     {"argv": ["true", LABEL_SECRET]},
+                     {"argv": ["true"], "env": {SECRET: 5}},            # the model would name the key
+                     {"argv": ["true"], SECRET: 1}):
+            r = api(lab, gw, "POST", "/sandboxes/sb-argv/exec", json=body)
+            assert r.status_code == 400 and "secret(s)" in r.json()["message"], (body, r.text)
+            assert SECRET not in r.text and HEX_SECRET not in r.text and LABEL_SECRET not in r.text
+        # a repeated key: whichever one a parser keeps, both are checked
+        r = api(lab, gw, "POST", "/sandboxes/sb-argv/exec",
+                content=b'{"argv": ["true"], "env": {"%s": 5}, "env": {}}' % SECRET.encode())
+        assert r.status_code == 400 and "secret(s)" in r.json()["message"] and SECRET not in r.text, r.text
+        # Placeholders are what sandboxes get: they pass.
+        ph = sexec(lab, gw, "sb-argv", "sh", "-c", "echo $CUBEGATE_PLACEHOLDER_OPENAI", check=True).stdout.strip()
+        assert ph.startswith("cgph_")
+        assert sexec(lab, gw, "sb-argv", "echo", ph, check=True).stdout == ph + "\n"
+        # Uploads: the path is checked like the contents.
+        r = api(lab, gw, "PUT", f"/sandboxes/sb-argv/files?path=/workspace/{SECRET}", content=b"x")
+        assert r.status_code == 400 and SECRET not in r.text
+        rec = gw.wait_record(lambda x: x["event"] == "admin" and x["extra"].get("action") == "sandbox.exec.post"
+                             and x["status"] == 400)
+        assert "secret(s)" in rec["reason"]
+    finally:
+        cli(lab, gw, "rm", "sb-argv", check=False)
+    _no_value_anywhere(gw, SECRET, HEX_SECRET, LABEL_SECRET)
+
+
+def test_secret_values_in_any_create_or_init_field_are_400_without_the_value(rt, lab):
+    gw, _ = rt
+    b64 = __import__("base64").b64encode(b"data").decode()
+    cases = [
+        {"labels": {"team": SECRET}},              # a valid label value
+        {"labels": {"team": LABEL_SECRET}},        # an invalid one: was a 500 that quoted it
+        {"labels": {LABEL_SECRET: "x"}},
+        {"id": HEX_SECRET},                        # a valid sandbox id
+        {"backend": SECRET},                       # unknown backends are named in the error
+        {"env": {SECRET: "v"}},
+        {"secret_env": {SECRET: "openai"}},
+        {"secret_env": {"K": SECRET}},
+        {"files": {SECRET: b64}},
+        {"files": {SECRET: "not base64!"}},
+        {"limits": {SECRET: 1}},
+        # The body models would name these keys in their errors: the secret check runs first.
+        {"env": {SECRET: 5}},
+        {"labels": {SECRET: ["x"]}},
+        {SECRET: 1},                               # an unknown field
+    ]
+    for extra in cases:
+        body = {"id": "sb-field", "tenant": "acme", **extra}
+        r = api(lab, gw, "POST", "/sandboxes", json=body)
+        if r.status_code == 201:        # a regression: remove it (daemon restarts keep sandboxes) and fail
+            api(lab, gw, "DELETE", f"/sandboxes/{body['id']}")
+        assert r.status_code == 400 and "secret(s)" in r.json()["message"], (extra, r.text)
+        for v in (SECRET, LABEL_SECRET, HEX_SECRET):
+            assert v not in r.text, (extra, r.text)
+        # nothing half-made (listed, not GET by id: the access log names request paths)
+        assert body["id"] not in [x["id"] for x in api(lab, gw, "GET", "/sandboxes").json()["sandboxes"]]
+    # An invalid label without a secret: 400 too (it was a 500), saying what is wrong.
+    r = api(lab, gw, "POST", "/sandboxes", json={"id": "sb-field", "tenant": "acme", "labels": {"team": "a:b"}})
+    if r.status_code == 201:
+        api(lab, gw, "DELETE", "/sandboxes/sb-field")
+    assert r.status_code == 400 and "labels" in r.json()["message"], r.text
+    # Without a valid id or tenant there is no tenant to check for: only those two fields are named.
+    r = api(lab, gw, "POST", "/sandboxes", json={"id": "Bad_Id", "tenant": "acme", "env": {SECRET: 5}})
+    assert r.status_code == 400 and r.json()["message"].startswith("/id: ") and SECRET not in r.text, r.text
+    r = api(lab, gw, "POST", "/sandboxes", json={"id": "sb-field", "env": {SECRET: 5}})
+    assert r.status_code == 400 and r.json()["message"] == "/tenant: required" and SECRET not in r.text, r.text
+    # A refused create is audited without the id and tenant it claimed.
+    rec = gw.wait_record(lambda x: x["event"] == "admin" and x["extra"].get("action") == "sandbox.post"
+                         and "secret(s)" in (x["reason"] or ""))
+    assert rec["sandbox"] is None and "tenant" not in rec["extra"], rec
+    create(lab, gw, "sb-init")
+    try:
+        for body in ({"env": {"K": SECRET}}, {"env": {LABEL_SECRET: "v"}}, {"files": {HEX_SECRET: b64}},
+                     {"secret_env": {SECRET: "openai"}}, {"files": {SECRET: "not base64!"}}, {SECRET: 1}):
+            r = api(lab, gw, "POST", "/sandboxes/sb-init/init", json=body)
+            assert r.status_code == 400 and "secret(s)" in r.json()["message"], (body, r.text)
+            assert SECRET not in r.text and LABEL_SECRET not in r.text and HEX_SECRET not in r.text
+    finally:
+        cli(lab, gw, "rm", "sb-init", check=False)
+    _no_value_anywhere(gw, SECRET, HEX_SECRET, LABEL_SECRET)
+
+
+def test_sealed_vault_refuses_exec_and_create_503_then_recovers(rt, lab):
+    """argv is always there to check: with the vault sealed nothing can be checked, so every exec,
+    create and upload is refused (503) — like env/stdin/files already were — until it is unsealed.
+    (Without any vault there is no secret to leak and nothing is refused.)"""
+    gw, _ = rt
+    create(lab, gw, "sb-sealed")
+    token = gw.cli("vault", "token", "create", "--scope", "admin").strip().split()[-1]
+
+    def vault_admin(path, body):
+        return call_in_netns(lab.gw_ns, lambda: httpx.post(f"http://127.0.0.1:{gw.proxy_port + 2}/v1{path}",
+                                                           json=body, timeout=30,
+                                                           headers={"Authorization": f"Bearer {token}"}))
+    assert vault_admin("/seal", {}).status_code == 200
+    try:
+        r = api(lab, gw, "POST", "/sandboxes/sb-sealed/exec", json={"argv": ["true"]})
+        assert r.status_code == 503 and r.json()["error"] == "unavailable", r.text
+        r = api(lab, gw, "POST", "/sandboxes", json={"id": "sb-sealed2", "tenant": "acme"})
+        if r.status_code == 201:
+            api(lab, gw, "DELETE", "/sandboxes/sb-sealed2")
+        assert r.status_code == 503, r.text
+        r = api(lab, gw, "PUT", "/sandboxes/sb-sealed/files?path=/workspace/f", content=b"x")
+        assert r.status_code == 503, r.text
+    finally:
+        assert vault_admin("/unseal", {"key_file": str(gw.state_dir / "vault.key")}).status_code == 200
+    try:
+        assert sexec(lab, gw, "sb-sealed", "true").returncode == 0
+        assert api(lab, gw, "GET", "/sandboxes/sb-sealed2").status_code == 404
+    finally:
+        cli(lab, gw, "rm", "sb-sealed", check=False)
 
 
 def test_admission_refuses_beyond_the_budget_at_once(rt, lab):
@@ -226,6 +374,11 @@ def test_api_needs_a_token_and_audits_admin_actions(rt, lab):
     assert r.status_code == 400
     doc = api(lab, gw, "GET", "/openapi.json", token=None).json()
     assert "/v1/sandboxes/{id}/exec" in doc["paths"]
+    # a sealed vault (nothing can be checked for secrets) is documented where it can occur
+    for path, method in (("/v1/sandboxes", "post"), ("/v1/sandboxes/{id}/exec", "post"),
+                         ("/v1/sandboxes/{id}/init", "post"), ("/v1/sandboxes/{id}/files", "put")):
+        assert "503" in doc["paths"][path][method]["responses"], (path, method)
+    assert "503" not in doc["paths"]["/v1/sandboxes/{id}/files"]["get"]["responses"]
     rec = gw.wait_record(lambda x: x["event"] == "admin" and x["extra"].get("action") == "sandbox.post"
                          and x["status"] == 401)
     assert rec["decision"] == "deny"
