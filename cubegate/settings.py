@@ -188,7 +188,7 @@ class CubevsSettings(_Section):
 class DnsSettings(_Section):
     listen_host: IpAddr | None = None           # sandbox DNS resolver; None = disabled
     port: Port = 53
-    audit_interval_seconds: _seconds() = 60.0   # allowed answers: one aggregated record per sandbox+name per interval
+    audit_interval_seconds: _seconds(le=3600) = 60.0   # allowed answers: one aggregated record per sandbox+name per interval
     max_new_names_per_minute: _count(1, 1_000_000) = 120  # distinct new names one sandbox may resolve under one wildcard
 
 

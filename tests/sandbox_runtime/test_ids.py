@@ -37,7 +37,7 @@ def test_no_other_sandbox_id_pattern_in_the_runtime():
 
 
 def test_manager_refuses_what_the_definition_refuses():
-    from sandbox_runtime.manager import CreateRequest, InvalidRequest, validate_request
-    validate_request(CreateRequest(sandbox_id="sb-1", tenant="acme"))
+    from sandbox_runtime.manager import CreateRequest, InvalidRequest, validate_owner
+    validate_owner(CreateRequest(sandbox_id="sb-1", tenant="acme"))
     with pytest.raises(InvalidRequest, match=re.escape(ids.PATTERN)):
-        validate_request(CreateRequest(sandbox_id="-bad", tenant="acme"))
+        validate_owner(CreateRequest(sandbox_id="-bad", tenant="acme"))
