@@ -31,6 +31,8 @@ class BodyLimits:
     inspect_buffer_bytes: int = 1024 * 1024         # known-length bodies up to this may be buffered whole
     max_buffered_bytes_per_sandbox: int = 16 * 1024 * 1024
     max_held_raw_bytes: int = 4 * 1024 * 1024       # raw bytes waiting for their decoded form to be checked
+    max_decoded_per_read: int = 8 * 1024 * 1024     # one read (<= 64 KiB) may not decode to more, where it is
+                                                    # checked on the event loop (ratio > 128: a bomb, refused)
 
 
 @dataclass(frozen=True)
@@ -50,9 +52,11 @@ def content_encoding(headers) -> str | None:
     return joined or None
 
 
-def make_decoder(encoding: str | None, limits: BodyLimits, *, what: str) -> body_codec.Decoder:
+def make_decoder(encoding: str | None, limits: BodyLimits, *, what: str,
+                 on_loop: bool = True) -> body_codec.Decoder:
     try:
-        return body_codec.make_decoder(encoding, max_output=limits.max_body_bytes)
+        return body_codec.make_decoder(encoding, max_output=limits.max_body_bytes,
+                                       max_per_feed=limits.max_decoded_per_read if on_loop else None)
     except body_codec.UnsupportedEncoding:
         status = 502 if what == "response" else 415
         raise BodyRefused(status, f"{what}_undecodable",
@@ -82,8 +86,8 @@ class RequestLeakStream:
     """`flow.request.stream` for a body that must be leak-checked. Forwards the raw bytes."""
 
     def __init__(self, needles, encoding: str | None, limits: BodyLimits,
-                 on_refused: Callable[[BodyRefused], None]):
-        self._decoder = make_decoder(encoding, limits, what="request")
+                 on_refused: Callable[[BodyRefused], None], *, on_loop: bool = True):
+        self._decoder = make_decoder(encoding, limits, what="request", on_loop=on_loop)
         self._identity = encoding is None
         self._scanner = vaultlib.StreamLeakScanner(needles)
         self._limits = limits
@@ -130,8 +134,8 @@ class ResponseScrubStream:
     """`flow.response.stream` on an injected flow: forwards the decoded, scrubbed body."""
 
     def __init__(self, forms: frozenset, encoding: str | None, limits: BodyLimits,
-                 on_refused: Callable[[BodyRefused], None]):
-        self._decoder = make_decoder(encoding, limits, what="response")
+                 on_refused: Callable[[BodyRefused], None], *, on_loop: bool = True):
+        self._decoder = make_decoder(encoding, limits, what="response", on_loop=on_loop)
         self._scrubber = vaultlib.StreamScrubber(forms)
         self._limits = limits
         self._on_refused = on_refused
@@ -152,20 +156,23 @@ class ResponseScrubStream:
             return []
 
 
-def check_request_body(body: bytes, encoding: str | None, needles, limits: BodyLimits) -> None:
-    """A whole (buffered) request body; raises BodyRefused. Pure CPU: run it off the event loop."""
+def check_request_body(body: bytes, encoding: str | None, needles, limits: BodyLimits, *,
+                       on_loop: bool = True) -> None:
+    """A whole (buffered) request body; raises BodyRefused. Off the event loop (on_loop=False)
+    its decoding is bounded by max_body_bytes alone."""
     refused: list[BodyRefused] = []
-    stream = RequestLeakStream(needles, encoding, limits, refused.append)
+    stream = RequestLeakStream(needles, encoding, limits, refused.append, on_loop=on_loop)
     stream(body)
     stream(b"")
     if refused:
         raise refused[0]
 
 
-def scrub_response_body(body: bytes, encoding: str | None, forms: frozenset, limits: BodyLimits) -> bytes:
+def scrub_response_body(body: bytes, encoding: str | None, forms: frozenset, limits: BodyLimits, *,
+                        on_loop: bool = True) -> bytes:
     """A whole (buffered) response body, decoded and scrubbed; raises BodyRefused."""
     refused: list[BodyRefused] = []
-    stream = ResponseScrubStream(forms, encoding, limits, refused.append)
+    stream = ResponseScrubStream(forms, encoding, limits, refused.append, on_loop=on_loop)
     out = b"".join(stream(body) + stream(b""))
     if refused:
         raise refused[0]

@@ -185,9 +185,12 @@ _CODINGS = {
 class Decoder:
     """Decodes one body: feed() its chunks in order, then finish() once."""
 
-    def __init__(self, stages: list, max_output: int):
+    def __init__(self, stages: list, max_output: int, max_per_feed: int | None = None):
         self._stages = stages or [_Identity()]
         self._max_output = max_output
+        # One call's output, bounded: the work one network read can cause where it is
+        # decoded (on the event loop), however compressible the stream is.
+        self._max_per_feed = max_per_feed
         # Intermediate streams are never kept whole; their bound only caps the work.
         self._max_between = 2 * max_output + _PIECE
         self._between = [0] * len(self._stages)
@@ -219,12 +222,17 @@ class Decoder:
         if self._failed is not None:         # fail closed: a broken decoder stays broken
             raise self._failed
         out = []
+        produced = 0
         try:
             for piece in run():
                 self.decoded += len(piece)
+                produced += len(piece)
                 if self.decoded > self._max_output:
                     out.clear()
                     raise BodyTooLarge("decoded body too large")
+                if self._max_per_feed is not None and produced > self._max_per_feed:
+                    out.clear()
+                    raise BodyTooLarge("one read of the body decodes to too much")
                 out.append(piece)
         except (DecodeError, BodyTooLarge) as exc:
             self._failed = exc
@@ -232,7 +240,7 @@ class Decoder:
         return b"".join(out)
 
 
-def make_decoder(content_encoding: str | None, *, max_output: int) -> Decoder:
+def make_decoder(content_encoding: str | None, *, max_output: int, max_per_feed: int | None = None) -> Decoder:
     """A decoder for the codings named in a Content-Encoding header (applied left to right)."""
     names = [t.strip().lower() for t in (content_encoding or "").split(",")]
     names = [n for n in names if n and n != "identity"]
@@ -240,7 +248,7 @@ def make_decoder(content_encoding: str | None, *, max_output: int) -> Decoder:
         raise UnsupportedEncoding("too many content codings")
     if any(n not in _CODINGS for n in names):
         raise UnsupportedEncoding("unsupported content-encoding")
-    return Decoder([_CODINGS[n]() for n in reversed(names)], max_output)
+    return Decoder([_CODINGS[n]() for n in reversed(names)], max_output, max_per_feed)
 
 
 def decode_all(content_encoding: str | None, data: bytes, *, max_output: int) -> bytes:

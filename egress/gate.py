@@ -12,6 +12,7 @@ Decision logic lives in egress.policy (pure); this module is the edge.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -767,8 +768,9 @@ class PolicyGate:
             body = flow.request.raw_content or b""
             try:
                 if len(body) > _INLINE_CHECK_BYTES:
-                    await asyncio.to_thread(check_request_body, body, content_encoding(flow.request.headers),
-                                            needles, self.body_limits)
+                    await asyncio.to_thread(functools.partial(
+                        check_request_body, body, content_encoding(flow.request.headers), needles,
+                        self.body_limits, on_loop=False))
                 else:
                     check_request_body(body, content_encoding(flow.request.headers), needles, self.body_limits)
             except BodyRefused as r:
@@ -848,8 +850,10 @@ class PolicyGate:
         resp = flow.response
         body = resp.raw_content or b""
         args = (body, content_encoding(resp.headers), self.credentials.injected_forms(flow), self.body_limits)
-        out = await asyncio.to_thread(scrub_response_body, *args) if len(body) > _INLINE_CHECK_BYTES \
-            else scrub_response_body(*args)
+        if len(body) > _INLINE_CHECK_BYTES:
+            out = await asyncio.to_thread(functools.partial(scrub_response_body, *args, on_loop=False))
+        else:
+            out = scrub_response_body(*args)
         resp.headers.pop("content-encoding", None)
         resp.raw_content = out
         if "content-length" in resp.headers:
