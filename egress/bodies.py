@@ -67,8 +67,9 @@ def _refusal_for(e: Exception, what: str, limits: BodyLimits) -> BodyRefused:
     if isinstance(e, BodyRefused):
         return e
     if isinstance(e, body_codec.BodyTooLarge):
-        return BodyRefused(413 if what == "request" else 502, "body_too_large",
-                           f"{what} body decodes to more than {limits.max_body_bytes} bytes")
+        why = (f"one read decodes to more than {limits.max_decoded_per_read} bytes (a compression bomb)"
+               if "one read" in str(e) else f"decodes to more than {limits.max_body_bytes} bytes")
+        return BodyRefused(413 if what == "request" else 502, "body_too_large", f"{what} body {why}")
     if isinstance(e, body_codec.DecodeError):
         return BodyRefused(400 if what == "request" else 502, f"{what}_undecodable",
                            f"{what} body is not valid for its Content-Encoding")
