@@ -243,6 +243,8 @@ def _mount_optional_groups() -> None:
     main.add_command(audit, "audit")
     from cubegate.sandbox_cli import sandbox_cli
     main.add_command(sandbox_cli, "sandbox")
+    from cubegate.template_cli import template_cli
+    main.add_command(template_cli, "template")
     try:
         from vault.cli import vault_cli
     except ImportError:

@@ -195,6 +195,13 @@ def _limits(doc: dict, default: Limits) -> Limits:
     return Limits(**{**default.__dict__, **vals})
 
 
+def _template(doc: dict, default: str | None) -> str | None:
+    t = doc.get("template", default)
+    if t is not None and not isinstance(t, str):
+        raise ApiError(400, "invalid", "template must be a string")
+    return t
+
+
 class SandboxesHandler(_Base):
     action = "sandbox"
 
@@ -210,7 +217,8 @@ class SandboxesHandler(_Base):
                             tenant=tenant if isinstance(tenant, str) else "",
                             backend=str(doc.get("backend", self.settings["default_backend"])),
                             labels=labels, limits=_limits(doc, self.settings["default_limits"]),
-                            env=_str_dict(doc, "env"), files=_files(doc), secret_env=_str_dict(doc, "secret_env"))
+                            env=_str_dict(doc, "env"), files=_files(doc), secret_env=_str_dict(doc, "secret_env"),
+                            template=_template(doc, self.settings.get("default_template")))
         self.reply(201, await self.run(self.manager.create, req))
 
 
@@ -344,7 +352,7 @@ class RuntimeServer:
 
 def serve(manager: SandboxManager, *, host: str, port: int, token_file: Path, vault_tokens=None,
           audit_hook=None, default_backend: str = "namespace", default_limits: Limits = Limits(),
-          workers: int = 64) -> RuntimeServer:
+          workers: int = 64, default_template: str | None = None) -> RuntimeServer:
     from vault.api import check_bind_address
     check_bind_address(host)   # loopback only: sandboxes must never reach it
     ensure_token_file(token_file)
@@ -352,7 +360,8 @@ def serve(manager: SandboxManager, *, host: str, port: int, token_file: Path, va
     kw = {"manager": manager, "tokens": TokenCheck(token_file, vault_tokens), "pool": pool, "audit_hook": audit_hook}
     app = tornado.web.Application([(p, h, kw) for p, h in ROUTES], default_handler_class=_NotFound,
                                   default_handler_args=kw, log_function=_log_request,
-                                  default_backend=default_backend, default_limits=default_limits)
+                                  default_backend=default_backend, default_limits=default_limits,
+                                  default_template=default_template)
     server = tornado.httpserver.HTTPServer(app, max_body_size=MAX_BODY)
     sockets = tornado.netutil.bind_sockets(port, address=host)
     server.add_sockets(sockets)

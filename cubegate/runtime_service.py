@@ -40,7 +40,9 @@ def make_backends(settings, ca_bundle: Path) -> dict:
     for name in settings.runtime.backends:
         if name == "namespace":
             from sandbox_runtime.namespace import NamespaceBackend
-            out[name] = NamespaceBackend(rdir / "namespace", ca_bundle=ca_bundle)
+            from sandbox_runtime.templates import TemplateStore
+            out[name] = NamespaceBackend(rdir / "namespace", ca_bundle=ca_bundle,
+                                         templates=TemplateStore(settings.template_cache_dir))
         elif name == "microvm":
             from sandbox_runtime.microvm.backend import MicrovmBackend
             out[name] = MicrovmBackend(rdir / "microvm", settings.microvm_assets_dir, ca_bundle=ca_bundle)
@@ -91,7 +93,7 @@ async def start_for(daemon) -> RuntimeService | None:
     api = serve(manager, host="127.0.0.1", port=rt.api_port, token_file=s.runtime_dir / "api.token",
                 vault_tokens=daemon.vault.tokens if daemon.vault is not None else None,
                 audit_hook=daemon._admin_audit, default_backend=rt.default_backend,
-                default_limits=default_limits(rt))
+                default_limits=default_limits(rt), default_template=rt.default_template)
     log.info("runtime: sandbox API on 127.0.0.1:%d, backends %s", api.port, ", ".join(backends))
     svc = RuntimeService(manager, api, switch)
     default = backends.get(rt.default_backend)

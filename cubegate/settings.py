@@ -98,6 +98,8 @@ class RuntimeSettings:
     default_disk_mb: int = 256
     microvm_assets: str | None = None        # default: <repo>/.cache/microvm (`make setup` builds it)
     hub_netns: str | None = None             # cubevs hub namespace (None = the daemon's own)
+    template_cache: str | None = None        # built templates; default <state_dir>/.cache/templates
+    default_template: str | None = None      # template of sandboxes whose request names none (None: host /usr)
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,10 @@ class Settings:
     @property
     def runtime_dir(self) -> Path:
         return Path(self.state_dir) / "runtime"
+
+    @property
+    def template_cache_dir(self) -> Path:
+        return Path(self.runtime.template_cache or Path(self.state_dir) / ".cache" / "templates")
 
     @property
     def microvm_assets_dir(self) -> Path:

@@ -29,6 +29,7 @@ log = logging.getLogger("cubegate.runtime")
 
 SANDBOX_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+TEMPLATE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 MAX_ENV_BYTES = 256 * 1024
 MAX_FILES_BYTES = 32 * 1024 * 1024
 
@@ -79,6 +80,7 @@ class CreateRequest:
     env: dict = dataclasses.field(default_factory=dict)
     files: dict = dataclasses.field(default_factory=dict)        # path under /workspace -> bytes
     secret_env: dict = dataclasses.field(default_factory=dict)   # ENV_NAME -> secret_id (gets its placeholder)
+    template: str | None = None     # root filesystem template (sandbox_runtime/templates); None: host /usr
 
 
 def placeholder_env(placeholders: dict[str, str], secret_env: dict[str, str]) -> dict[str, str]:
@@ -101,6 +103,8 @@ def validate_request(req: CreateRequest) -> None:
     for name in req.secret_env:
         if not ENV_NAME_RE.fullmatch(name):
             raise InvalidRequest(f"secret_env: bad variable name {name!r}")
+    if req.template is not None and not TEMPLATE_NAME_RE.fullmatch(req.template):
+        raise InvalidRequest(f"template must match {TEMPLATE_NAME_RE.pattern}")
 
 
 def validate_env(env: dict) -> None:
@@ -145,7 +149,8 @@ class SandboxManager:
     def create(self, req: CreateRequest) -> dict:
         validate_request(req)
         backend = self._backend(req.backend)
-        rec = SandboxRecord(req.sandbox_id, req.tenant, req.backend, dict(req.labels), req.limits)
+        rec = SandboxRecord(req.sandbox_id, req.tenant, req.backend, dict(req.labels), req.limits,
+                            template=req.template)
         with self._admit_lock:   # admission and claiming the id are one step
             try:
                 admit(self.budget, self._reserved(), self._footprint(req.backend, req.limits),
@@ -165,7 +170,8 @@ class SandboxManager:
             env = self._runtime_env(req.tenant, req.sandbox_id, req.env, req.secret_env, req.files)
             net = self.switch.attach_sandbox(req.sandbox_id, l4_allow=self.hooks.l4_allow(req.sandbox_id, labels))
             attached = True
-            spec = SandboxSpec(req.sandbox_id, req.tenant, req.backend, req.limits, env, dict(req.files))
+            spec = SandboxSpec(req.sandbox_id, req.tenant, req.backend, req.limits, env, dict(req.files),
+                               template=req.template)
             handle = backend.create(spec, net.netns, ip=net.ip, gateway_ip=self.switch.gateway_ip)
             rec.handle, rec.ip, rec.state = handle, net.ip, "running"
             rec.start_ms = round((time.monotonic() - t0) * 1000, 1)
