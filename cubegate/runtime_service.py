@@ -64,6 +64,8 @@ class RuntimeService:
         await asyncio.to_thread(self._close_sync)
 
     def _close_sync(self) -> None:
+        if self.manager.pool is not None:
+            self.manager.pool.stop()      # unclaimed slots are removed (the next start would anyway)
         self.manager.state.close()
         self.switch.close()   # sandboxes, pins and rules stay: they outlive the daemon
 
@@ -83,13 +85,17 @@ async def start_for(daemon) -> RuntimeService | None:
         ok, why = b.available()
         if not ok:
             log.warning("runtime: backend %s not available: %s (creations with it fail)", name, why)
+    from sandbox_runtime.netpool import SlotPool
+    pool = SlotPool(switch, rt.pool_size) if rt.pool_size > 0 else None
     manager = SandboxManager(
-        switch=switch, backends=backends, state=StateStore(s.runtime_dir / "sandboxes.sqlite3"),
+        switch=switch, backends=backends, state=StateStore(s.runtime_dir / "sandboxes.sqlite3"), pool=pool,
         budget=default_budget(rt.memory_mb, rt.cpus, rt.max_sandboxes, rt.host_reserve_mb),
         metrics=RuntimeMetrics(daemon.metrics.registry), hooks=DaemonHooks(daemon))
     result = await asyncio.to_thread(manager.recover)
     log.info("runtime: %d sandbox(es) kept, %d failed after restart, %d orphan(s) reaped",
              result["kept"], result["failed"], result["reaped"])
+    if pool is not None:
+        await asyncio.to_thread(pool.start)     # leftover slots of a previous daemon are removed first
     api = serve(manager, host="127.0.0.1", port=rt.api_port, token_file=s.runtime_dir / "api.token",
                 vault_tokens=daemon.vault.tokens if daemon.vault is not None else None,
                 audit_hook=daemon._admin_audit, default_backend=rt.default_backend,

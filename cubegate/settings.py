@@ -100,6 +100,7 @@ class RuntimeSettings:
     hub_netns: str | None = None             # cubevs hub namespace (None = the daemon's own)
     template_cache: str | None = None        # built templates; default <state_dir>/.cache/templates
     default_template: str | None = None      # template of sandboxes whose request names none (None: host /usr)
+    pool_size: int = 0                       # network slots (netns + veth + maps) kept ready ahead of creates
 
 
 @dataclass(frozen=True)

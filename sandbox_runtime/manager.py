@@ -133,8 +133,9 @@ def validate_files(files: dict) -> None:
 class SandboxManager:
     def __init__(self, *, switch, backends: dict[str, Backend], state: StateStore, budget: Budget,
                  metrics: RuntimeMetrics | None = None, hooks: RuntimeHooks | None = None,
-                 meminfo: Callable[[], dict] = meminfo_mb):
+                 meminfo: Callable[[], dict] = meminfo_mb, pool=None):
         self.switch = switch
+        self.pool = pool            # netpool.SlotPool of prepared network slots (None: attach at create)
         self.backends = backends
         self.state = state
         self.budget = budget
@@ -168,7 +169,8 @@ class SandboxManager:
             self.hooks.register(req.sandbox_id, req.tenant, labels)
             registered = True
             env = self._runtime_env(req.tenant, req.sandbox_id, req.env, req.secret_env, req.files)
-            net = self.switch.attach_sandbox(req.sandbox_id, l4_allow=self.hooks.l4_allow(req.sandbox_id, labels))
+            attach = self.pool.take if self.pool is not None else self.switch.attach_sandbox
+            net = attach(req.sandbox_id, l4_allow=self.hooks.l4_allow(req.sandbox_id, labels))
             attached = True
             spec = SandboxSpec(req.sandbox_id, req.tenant, req.backend, req.limits, env, dict(req.files),
                                template=req.template)
