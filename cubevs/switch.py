@@ -66,6 +66,7 @@ class Switch:
         self.attach_mode = attach_mode
         self._lock = threading.RLock()
         self._pending: dict[str, str] = {}   # sandbox id -> address, while its attach is under way
+        self._attach_serial = threading.Lock()
         self.registry = Registry(self.state_dir)
         self._salt = f"{hub_netns}|{self.state_dir.resolve()}"
         self.hub = plumbing.Hub(hub_netns)
@@ -122,8 +123,14 @@ class Switch:
 
     # ---------------------------------------------------------------- sandboxes
     def attach_sandbox(self, sandbox_id: str, *, l4_allow=()) -> SandboxNet:
-        """The lock covers only the address reservation and the map/registry writes: the
-        netlink work (netns, veth, sysctls, link-up wait) of concurrent attaches overlaps."""
+        """Attaches run one at a time (_attach_serial: interleaved netlink work makes every
+        attach as slow as all of them together), but the switch lock covers only the address
+        reservation and the map/registry writes, so claims of prepared slots never wait
+        for an attach in progress."""
+        with self._attach_serial:
+            return self._attach(sandbox_id, l4_allow)
+
+    def _attach(self, sandbox_id: str, l4_allow) -> SandboxNet:
         rules = normalize_l4(l4_allow)
         names = plumbing.names_for(sandbox_id, self._salt, self.netns_prefix)
         with self._lock:

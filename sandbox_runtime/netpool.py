@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 
 log = logging.getLogger("cubegate.runtime.pool")
@@ -89,6 +90,10 @@ class SlotPool:
 
     # ------------------------------------------------------------ refill
     def _run(self) -> None:
+        try:    # refilling is background work: sandbox starts get the CPU first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except OSError:
+            pass
         while not self._stop.is_set():
             if self.ready() >= self.size:
                 self._wake.wait(timeout=5.0)
