@@ -168,7 +168,8 @@ class SandboxesHandler(_Base):
         limits = Limits(**{**default.__dict__, **body.limits.model_dump(exclude_none=True)})
         req = CreateRequest(sandbox_id=body.id, tenant=body.tenant,
                             backend=body.backend or self.settings["default_backend"], labels=body.labels,
-                            limits=limits, env=body.env, files=body.files, secret_env=body.secret_env)
+                            limits=limits, env=body.env, files=body.files, secret_env=body.secret_env,
+                            template=body.template or self.settings["default_template"])
         self.reply(201, await self.run(self.manager.create, req))
 
 
@@ -260,11 +261,12 @@ PARAMS = {"id": PathParam(SANDBOX_ID_RE.pattern.strip("^$"), {"type": "string", 
 
 def make_app(manager: SandboxManager | None, tokens: TokenCheck | None, pool: ThreadPoolExecutor | None, *,
              audit_hook: AuditHook | None = None, default_backend: str = "namespace",
-             default_limits: Limits = Limits()):
+             default_limits: Limits = Limits(), default_template: str | None = None):
     kw = {"manager": manager, "tokens": tokens, "pool": pool, "audit_hook": audit_hook}
     return httpkit.make_app(ROUTES, base=_Base, kwargs=kw, params=PARAMS, title="cubegate sandbox API",
                             public_not_found=True, log_name="cubegate.runtime_api",
-                            default_backend=default_backend, default_limits=default_limits)
+                            default_backend=default_backend, default_limits=default_limits,
+                            default_template=default_template)
 
 
 class RuntimeServer:
@@ -282,10 +284,11 @@ class RuntimeServer:
 
 def serve(manager: SandboxManager, *, host: str, port: int, token_file: Path, vault_tokens=None,
           audit_hook=None, default_backend: str = "namespace", default_limits: Limits = Limits(),
-          workers: int = 64) -> RuntimeServer:
+          workers: int = 64, default_template: str | None = None) -> RuntimeServer:
     ensure_token_file(token_file)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="runtime")
     app = make_app(manager, TokenCheck(token_file, vault_tokens), pool, audit_hook=audit_hook,
-                   default_backend=default_backend, default_limits=default_limits)
+                   default_backend=default_backend, default_limits=default_limits,
+                   default_template=default_template)
     # loopback only: sandboxes must never reach it
     return RuntimeServer(httpkit.serve(app, max_body=MAX_BODY, host=host, port=port, what="the sandbox API"), pool)

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchem
 from pydantic_core import PydanticCustomError
 
 from httpkit import Body, Reply
-from sandbox_runtime.manager import SANDBOX_ID_RE
+from sandbox_runtime.manager import SANDBOX_ID_RE, TEMPLATE_NAME_RE
 from vault.api_models import Name
 
 
@@ -35,6 +35,7 @@ def _absolute(value: object) -> str:
 
 Base64 = Annotated[bytes, PlainValidator(_b64), WithJsonSchema({"type": "string", "contentEncoding": "base64"})]
 SandboxId = Annotated[str, Field(pattern=SANDBOX_ID_RE.pattern)]
+TemplateName = Annotated[str, Field(pattern=TEMPLATE_NAME_RE.pattern)]
 StrMap = dict[str, str]
 Positive = Field(None, gt=0)
 
@@ -57,6 +58,8 @@ class CreateSandbox(Body):
     env: StrMap = {}
     files: dict[str, Base64] = Field({}, description="path under /workspace -> base64 content")
     secret_env: StrMap = Field({}, description="ENV_NAME -> vault secret id (gets its placeholder)")
+    template: TemplateName | None = Field(None, description="root filesystem template (`cubegate template ls`); "
+                                          "default: settings.runtime.default_template, else the host's /usr")
 
 
 class Owner(BaseModel):
@@ -104,6 +107,7 @@ class Sandbox(Reply):
     created: float
     start_ms: float | None
     error: str | None
+    template: str | None = Field(None, description="root filesystem template (null: the host's /usr)")
     usage: dict[str, float] | None = Field(None, description="measured (GET of one sandbox)")
     usage_error: str | None = None
 

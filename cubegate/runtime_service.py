@@ -40,7 +40,9 @@ def make_backends(settings, ca_bundle: Path) -> dict:
     for name in settings.runtime.backends:
         if name == "namespace":
             from sandbox_runtime.namespace import NamespaceBackend
-            out[name] = NamespaceBackend(rdir / "namespace", ca_bundle=ca_bundle)
+            from sandbox_runtime.templates import TemplateStore
+            out[name] = NamespaceBackend(rdir / "namespace", ca_bundle=ca_bundle,
+                                         templates=TemplateStore(settings.template_cache_dir))
         elif name == "microvm":
             from sandbox_runtime.microvm.backend import MicrovmBackend
             out[name] = MicrovmBackend(rdir / "microvm", settings.microvm_assets_dir, ca_bundle=ca_bundle)
@@ -62,6 +64,8 @@ class RuntimeService:
         await asyncio.to_thread(self._close_sync)
 
     def _close_sync(self) -> None:
+        if self.manager.pool is not None:
+            self.manager.pool.stop()      # unclaimed slots are removed (the next start would anyway)
         self.manager.state.close()
         self.switch.close()   # sandboxes, pins and rules stay: they outlive the daemon
 
@@ -81,17 +85,21 @@ async def start_for(daemon) -> RuntimeService | None:
         ok, why = b.available()
         if not ok:
             log.warning("runtime: backend %s not available: %s (creations with it fail)", name, why)
+    from sandbox_runtime.netpool import SlotPool
+    pool = SlotPool(switch, rt.pool_size) if rt.pool_size > 0 else None
     manager = SandboxManager(
-        switch=switch, backends=backends, state=StateStore(s.runtime_dir / "sandboxes.sqlite3"),
+        switch=switch, backends=backends, state=StateStore(s.runtime_dir / "sandboxes.sqlite3"), pool=pool,
         budget=default_budget(rt.memory_mb, rt.cpus, rt.max_sandboxes, rt.host_reserve_mb),
         metrics=RuntimeMetrics(daemon.metrics.registry), hooks=DaemonHooks(daemon))
     result = await asyncio.to_thread(manager.recover)
     log.info("runtime: %d sandbox(es) kept, %d failed after restart, %d orphan(s) reaped",
              result["kept"], result["failed"], result["reaped"])
+    if pool is not None:
+        await asyncio.to_thread(pool.start)     # leftover slots of a previous daemon are removed first
     api = serve(manager, host="127.0.0.1", port=rt.api_port, token_file=s.runtime_dir / "api.token",
                 vault_tokens=daemon.vault.tokens if daemon.vault is not None else None,
                 audit_hook=daemon._admin_audit, default_backend=rt.default_backend,
-                default_limits=default_limits(rt))
+                default_limits=default_limits(rt), default_template=rt.default_template)
     log.info("runtime: sandbox API on 127.0.0.1:%d, backends %s", api.port, ", ".join(backends))
     svc = RuntimeService(manager, api, switch)
     default = backends.get(rt.default_backend)

@@ -61,6 +61,7 @@ def sandbox_cli() -> None:
 @click.argument("sandbox_id")
 @click.option("--tenant", required=True)
 @click.option("--backend", default=None, help="namespace (default) or microvm")
+@click.option("--template", default=None, help="root filesystem template (cubegate template ls)")
 @click.option("--label", "labels", multiple=True, help="KEY=VALUE (policy selection)")
 @click.option("--env", "env", multiple=True, help="NAME=VALUE (never a real key: use --secret-env)")
 @click.option("--secret-env", "secret_env", multiple=True, help="NAME=SECRET_ID: NAME gets the secret's placeholder")
@@ -70,7 +71,8 @@ def sandbox_cli() -> None:
 @click.option("--pids", type=int)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def create(ctx, sandbox_id, tenant, backend, labels, env, secret_env, files, memory_mb, cpus, pids, as_json):
+def create(ctx, sandbox_id, tenant, backend, template, labels, env, secret_env, files, memory_mb, cpus, pids,
+           as_json):
     """Create a sandbox; returns when its agent answered and its network is attached."""
     doc = {"id": sandbox_id, "tenant": tenant, "labels": _pairs(labels, "--label"), "env": _pairs(env, "--env"),
            "secret_env": _pairs(secret_env, "--secret-env"),
@@ -78,6 +80,8 @@ def create(ctx, sandbox_id, tenant, backend, labels, env, secret_env, files, mem
            "limits": {k: v for k, v in (("memory_mb", memory_mb), ("cpus", cpus), ("pids", pids)) if v is not None}}
     if backend:
         doc["backend"] = backend
+    if template:
+        doc["template"] = template
     out = _api(ctx).call("POST", "/sandboxes", json=doc).json()
     click.echo(json.dumps(out, indent=2) if as_json else
                f"{out['id']} {out['state']} {out['backend']} ip {out['ip']} started in {out['start_ms']} ms")

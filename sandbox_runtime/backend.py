@@ -37,6 +37,9 @@ class SandboxSpec:
     limits: Limits = field(default_factory=Limits)
     env: dict[str, str] = field(default_factory=dict)     # placeholders only, never real secrets
     files: dict[str, bytes] = field(default_factory=dict)  # path relative to /workspace -> content
+    template: str | None = None         # root filesystem: a built template (None: the host's /usr)
+    seed_layer: str | None = None       # start from this snapshot's writable layer (clone, rollback)
+    seed_uid: int | None = None         # host uid that owns the files in seed_layer
 
 
 @dataclass(frozen=True)

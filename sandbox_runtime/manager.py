@@ -30,6 +30,7 @@ from .state import SandboxRecord, StateStore
 log = logging.getLogger("cubegate.runtime")
 
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+TEMPLATE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 MAX_ENV_BYTES = 256 * 1024
 MAX_FILES_BYTES = 32 * 1024 * 1024
 
@@ -90,6 +91,7 @@ class CreateRequest:
     env: dict = dataclasses.field(default_factory=dict)
     files: dict = dataclasses.field(default_factory=dict)        # path under /workspace -> bytes
     secret_env: dict = dataclasses.field(default_factory=dict)   # ENV_NAME -> secret_id (gets its placeholder)
+    template: str | None = None     # root filesystem template (sandbox_runtime/templates); None: host /usr
 
 
 def placeholder_env(placeholders: dict[str, str], secret_env: dict[str, str]) -> dict[str, str]:
@@ -112,7 +114,7 @@ def validate_owner(req: CreateRequest) -> None:
 
 def request_strings(req: CreateRequest) -> list[str]:
     """Every string a create request carries into the sandbox, its records or an error message."""
-    out = [req.sandbox_id, req.tenant, str(req.backend)]
+    out = [req.sandbox_id, req.tenant, str(req.backend), str(req.template or "")]
     for mapping in (req.labels, req.env, req.secret_env):
         for k, v in mapping.items():
             out += [str(k), str(v)]
@@ -125,6 +127,9 @@ def validate_request(req: CreateRequest) -> None:
     validate_env(req.env)
     validate_files(req.files)
     validate_secret_env(req.secret_env)
+    if req.template is not None and (not isinstance(req.template, str)
+                                     or not TEMPLATE_NAME_RE.fullmatch(req.template)):
+        raise InvalidRequest(f"template must match {TEMPLATE_NAME_RE.pattern}")
 
 
 def validate_secret_env(secret_env: dict) -> None:
@@ -159,8 +164,9 @@ def validate_files(files: dict) -> None:
 class SandboxManager:
     def __init__(self, *, switch, backends: dict[str, Backend], state: StateStore, budget: Budget,
                  metrics: RuntimeMetrics | None = None, hooks: RuntimeHooks | None = None,
-                 meminfo: Callable[[], dict] = meminfo_mb):
+                 meminfo: Callable[[], dict] = meminfo_mb, pool=None):
         self.switch = switch
+        self.pool = pool            # netpool.SlotPool of prepared network slots (None: attach at create)
         self.backends = backends
         self.state = state
         self.budget = budget
@@ -179,7 +185,8 @@ class SandboxManager:
                                   b"\n".join(req.files.values()), placeholders)
         validate_request(req)
         backend = self._backend(req.backend)
-        rec = SandboxRecord(req.sandbox_id, req.tenant, req.backend, dict(req.labels), req.limits)
+        rec = SandboxRecord(req.sandbox_id, req.tenant, req.backend, dict(req.labels), req.limits,
+                            template=req.template)
         with self._admit_lock:   # admission and claiming the id are one step
             try:
                 admit(self.budget, self._reserved(), self._footprint(req.backend, req.limits),
@@ -197,9 +204,11 @@ class SandboxManager:
             self.hooks.register(req.sandbox_id, req.tenant, labels)
             registered = True
             env = {**req.env, **placeholder_env(placeholders, req.secret_env)}
-            net = self.switch.attach_sandbox(req.sandbox_id, l4_allow=self.hooks.l4_allow(req.sandbox_id, labels))
+            attach = self.pool.take if self.pool is not None else self.switch.attach_sandbox
+            net = attach(req.sandbox_id, l4_allow=self.hooks.l4_allow(req.sandbox_id, labels))
             attached = True
-            spec = SandboxSpec(req.sandbox_id, req.tenant, req.backend, req.limits, env, dict(req.files))
+            spec = SandboxSpec(req.sandbox_id, req.tenant, req.backend, req.limits, env, dict(req.files),
+                               template=req.template)
             handle = backend.create(spec, net.netns, ip=net.ip, gateway_ip=self.switch.gateway_ip)
             rec.handle, rec.ip, rec.state = handle, net.ip, "running"
             rec.start_ms = round((time.monotonic() - t0) * 1000, 1)
