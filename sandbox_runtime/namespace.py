@@ -263,7 +263,12 @@ class NamespaceBackend:
             raise SandboxError(f"sandbox {sid} already exists") from None
         h = Handle(sandbox_id=sid, backend=self.name, netns=netns,
                    data={"state_dir": str(sdir), "socket": str(sdir / "agent.sock"),
-                         "host_uid": self.host_uid if self.host_uid is not None else sandbox_uid(ip)})
+                         "host_uid": self.host_uid if self.host_uid is not None else sandbox_uid(ip),
+                         "ip": ip, "gateway_ip": gateway_ip, "env": dict(spec.env)})   # for rollback
+        if tpl is not None and spec.seed_template_key is not None and spec.seed_template_key != tpl.key:
+            shutil.rmtree(sdir, ignore_errors=True)
+            raise SandboxError(f"template {tpl.name!r} was rebuilt since the snapshot was taken "
+                               "(its layer belongs to the old build)")
         if tpl is not None:
             h.data["template"] = {"name": tpl.name, "key": tpl.key, "env": tpl.env, "tools": tpl.tools,
                                   "lower": str(tpl.rootfs)}
@@ -350,7 +355,7 @@ class NamespaceBackend:
         try:
             return str(tpl_rootfs.prepare(mdir, lower, disk_mb=spec.limits.disk_mb, uid=h.data["host_uid"],
                                           files=files, seed_upper=Path(spec.seed_layer) if spec.seed_layer else None,
-                                          seed_uid=spec.seed_uid))
+                                          seed_uid=spec.seed_uid, seed_tokens=spec.seed_tokens))
         except tpl_rootfs.RootfsError as e:
             raise SandboxError(str(e)) from None
 
@@ -470,6 +475,43 @@ class NamespaceBackend:
 
     def set_env(self, h: Handle, env: dict[str, str]) -> None:
         self._client(h).set_env(self._base_env(h, env))
+        h.data["env"] = dict(env)       # placeholders and plain values only (the manager checked them)
+        _save_handle(Path(h.data["state_dir"]), h)
+
+    # ------------------------------------------------------------ snapshots
+    def snapshot_layer(self, h: Handle, dest: Path) -> dict:
+        layer = self.layer_dir(h)
+        if layer is None:
+            raise NotSupported("snapshots of namespace sandboxes copy their template's writable layer; this "
+                               "sandbox runs on the host's /usr (create it with a template)")
+        cg = self._cg(h)
+        if cg is None or not cg.can_freeze():
+            raise NotSupported("no freezer cgroup on this host: a consistent copy is not possible")
+        was_frozen = cg.frozen()
+        cg.freeze()                       # a point-in-time copy: nothing writes while it is taken
+        try:
+            tpl_rootfs.copy_layer(layer, dest, from_uid=None, to_uid=h.data["host_uid"])
+        except tpl_rootfs.RootfsError as e:
+            raise SandboxError(str(e)) from None
+        finally:
+            if not was_frozen:
+                cg.thaw()
+        tpl = h.data["template"]
+        return {"template": tpl["name"], "template_key": tpl["key"], "layer_uid": h.data["host_uid"]}
+
+    def rollback(self, h: Handle, *, seed_layer: str, seed_uid: int | None, seed_template_key: str | None,
+                 seed_tokens: dict[str, str], limits) -> Handle:
+        tpl = h.data.get("template")
+        if not tpl or "ip" not in h.data:
+            raise NotSupported("rollback needs a template sandbox (its writable layer is what is restored)")
+        if seed_template_key is not None and self._template(tpl["name"]).key != seed_template_key:
+            raise SandboxError(f"template {tpl['name']!r} was rebuilt since the snapshot was taken "
+                               "(its layer belongs to the old build)")
+        spec = SandboxSpec(h.sandbox_id, "", self.name, limits, dict(h.data.get("env", {})), {},
+                           template=tpl["name"], seed_layer=seed_layer, seed_uid=seed_uid,
+                           seed_template_key=seed_template_key, seed_tokens=seed_tokens)
+        self.destroy(h)                   # processes and the old layer go; the network stays attached
+        return self.create(spec, h.netns, ip=h.data["ip"], gateway_ip=h.data["gateway_ip"])
 
     def pause(self, h: Handle) -> None:
         cg = self._cg(h)
@@ -508,6 +550,9 @@ class NamespaceBackend:
             for child in _children_of(pid):
                 with suppress(ProcessLookupError):
                     os.kill(child, signal.SIGKILL)
+            if cg is not None and cg.can_freeze() and cg.frozen():
+                with suppress(OSError, SandboxError):
+                    cg.thaw()       # a paused sandbox: the killed tasks die only once thawed
             self._wait_exit(pid, start, proc, timeout=2.0)
         # whatever is left in the cgroups (bwrap itself if it hung, anything that escaped)
         killed = cg.kill_all() if cg is not None else set()

@@ -24,10 +24,12 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     created REAL NOT NULL,
     start_ms REAL,
     error TEXT,
-    template TEXT                 -- root filesystem template (NULL: the host's /usr)
+    template TEXT,                -- root filesystem template (NULL: the host's /usr)
+    paused_by TEXT                -- api | idle (auto-pause) while paused
 );
 """
-MIGRATIONS = ("ALTER TABLE sandboxes ADD COLUMN template TEXT",)
+# columns added since the first schema: a state file from before them gets them
+ADDED_COLUMNS = {"template": "TEXT", "paused_by": "TEXT"}
 
 
 @dataclass
@@ -44,13 +46,14 @@ class SandboxRecord:
     start_ms: float | None = None
     error: str | None = None
     template: str | None = None
+    paused_by: str | None = None     # "api" | "idle" while paused
 
     def public(self) -> dict:
         """The API view (no backend internals)."""
         return {"id": self.id, "tenant": self.tenant, "backend": self.backend, "labels": self.labels,
                 "limits": asdict(self.limits), "state": self.state, "ip": self.ip,
                 "created": self.created, "start_ms": self.start_ms, "error": self.error,
-                "template": self.template}
+                "template": self.template, "paused_by": self.paused_by}
 
 
 class StateStore:
@@ -61,9 +64,9 @@ class StateStore:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(SCHEMA)
         cols = {r[1] for r in self._db.execute("PRAGMA table_info(sandboxes)")}
-        if "template" not in cols:        # a state file from before templates
-            for stmt in MIGRATIONS:
-                self._db.execute(stmt)
+        for name, kind in ADDED_COLUMNS.items():
+            if name not in cols:
+                self._db.execute(f"ALTER TABLE sandboxes ADD COLUMN {name} {kind}")
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -76,9 +79,9 @@ class StateStore:
         with self._lock:
             self._db.execute(
                 "INSERT OR REPLACE INTO sandboxes (id, tenant, backend, labels, limits, state, handle, ip, created,"
-                " start_ms, error, template) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                " start_ms, error, template, paused_by) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (r.id, r.tenant, r.backend, json.dumps(r.labels), json.dumps(asdict(r.limits)), r.state,
-                 h, r.ip, r.created, r.start_ms, r.error, r.template))
+                 h, r.ip, r.created, r.start_ms, r.error, r.template, r.paused_by))
 
     def insert_new(self, r: SandboxRecord) -> bool:
         """Claim the id; False if it is taken (two creates of one id race here, one wins)."""
@@ -103,6 +106,11 @@ class StateStore:
                 "WHERE id = ? AND state = 'creating'", (r.state, h, r.ip, r.start_ms, r.error, r.id))
             return cur.rowcount == 1
 
+    def put_handle(self, sandbox_id: str, h: Handle) -> None:
+        """The handle only (a backend changed its data): never overwrites a state change."""
+        with self._lock:
+            self._db.execute("UPDATE sandboxes SET handle = ? WHERE id = ?", (_handle_json(h), sandbox_id))
+
     def delete(self, sandbox_id: str) -> None:
         with self._lock:
             self._db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
@@ -118,11 +126,16 @@ class StateStore:
         return [_record(r) for r in rows]
 
 
-COLUMNS = "id, tenant, backend, labels, limits, state, handle, ip, created, start_ms, error, template"
+def _handle_json(h: Handle | None) -> str | None:
+    return json.dumps({"sandbox_id": h.sandbox_id, "backend": h.backend, "netns": h.netns, "data": h.data}) if h else None
+
+
+COLUMNS = "id, tenant, backend, labels, limits, state, handle, ip, created, start_ms, error, template, paused_by"
 
 
 def _record(row) -> SandboxRecord:
-    (sid, tenant, backend, labels, limits, state, handle, ip, created, start_ms, error, template) = row
+    (sid, tenant, backend, labels, limits, state, handle, ip, created, start_ms, error, template, paused_by) = row
     h = json.loads(handle) if handle else None
     return SandboxRecord(sid, tenant, backend, json.loads(labels), Limits(**json.loads(limits)), state,
-                         Handle(**h) if h else None, ip, created, start_ms, error, template)
+                         Handle(**h) if h else None, ip, created, start_ms, error, template,
+                         paused_by)

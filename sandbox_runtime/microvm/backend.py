@@ -237,6 +237,16 @@ class MicrovmBackend:
         self._qmp(h, "cont")
         h.data.pop("paused", None)
 
+    # ------------------------------------------------------------------ snapshots
+    SNAPSHOT_MISSING = ("microVM snapshots (guest memory and disk through QMP) are not implemented yet; "
+                        "snapshot, clone and rollback work for namespace sandboxes on a template")
+
+    def snapshot_layer(self, h: Handle, dest) -> dict:
+        raise NotSupported(self.SNAPSHOT_MISSING)
+
+    def rollback(self, h: Handle, **_) -> Handle:
+        raise NotSupported(self.SNAPSHOT_MISSING)
+
     def _vm_alive(self, h: Handle) -> bool:
         pid = h.data.get("pid")
         return bool(pid) and vm.pid_alive(pid) and vm.is_qemu(pid, h.data.get("run_dir", ""))

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import os
+import stat
 import subprocess
 from pathlib import Path
 
@@ -80,10 +82,12 @@ def root_dir(mdir: Path) -> Path:
 
 
 def prepare(mdir: Path, lower: Path, *, disk_mb: int, uid: int, files: dict[str, bytes],
-            seed_upper: Path | None = None, seed_uid: int | None = None) -> Path:
+            seed_upper: Path | None = None, seed_uid: int | None = None,
+            seed_tokens: dict[str, str] | None = None) -> Path:
     """Mount the sandbox's root; returns <mdir>/root. `files`: absolute path -> content,
     written into the upper layer. `seed_upper`: a snapshot's upper layer to start from
-    (its files owned by `seed_uid` are given to `uid`)."""
+    (its files owned by `seed_uid` are given to `uid`, and every `seed_tokens` key in them
+    is replaced by its value: the snapshotted sandbox's placeholders by this one's)."""
     if not (lower / "usr").is_dir():
         raise RootfsError(f"template root {lower} is missing or incomplete")
     rw, root = mdir / "rw", root_dir(mdir)
@@ -97,6 +101,7 @@ def prepare(mdir: Path, lower: Path, *, disk_mb: int, uid: int, files: dict[str,
         upper, work = upper_dir(mdir), rw / "work"
         if seed_upper is not None:
             copy_layer(seed_upper, upper, from_uid=seed_uid, to_uid=uid)
+            replace_tokens(upper, {k.encode(): v.encode() for k, v in (seed_tokens or {}).items() if k != v})
         else:
             upper.mkdir(mode=0o755)
         work.mkdir(mode=0o700)
@@ -131,6 +136,39 @@ def copy_layer(src: Path, dst: Path, *, from_uid: int | None, to_uid: int) -> No
             st = os.lstat(p)
             if st.st_uid == from_uid:
                 os.lchown(p, to_uid, to_uid if st.st_gid == from_uid else st.st_gid)
+
+
+def replace_tokens(root: Path, tokens: dict[bytes, bytes]) -> int:
+    """Replace each key by its value (same length: offsets in binary files stay) in every
+    regular file under root, in place through mmap (memory bounded by the page cache).
+    Returns how many files changed."""
+    if not tokens:
+        return 0
+    if any(len(k) != len(v) or not k for k, v in tokens.items()):
+        raise RootfsError("token replacement needs non-empty tokens of equal length")
+    changed = 0
+    for base, _, names in os.walk(root):
+        for name in names:
+            p = os.path.join(base, name)
+            try:
+                fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError:
+                continue          # symlinks, devices (whiteouts), sockets
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode) or os.fstat(fd).st_size == 0:
+                    continue
+                with mmap.mmap(fd, 0) as m:
+                    hit = False
+                    for old, new in tokens.items():
+                        i = m.find(old)
+                        while i >= 0:
+                            m[i:i + len(old)] = new
+                            hit = True
+                            i = m.find(old, i + len(old))
+                    changed += hit
+            finally:
+                os.close(fd)
+    return changed
 
 
 def release(mdir: Path) -> None:
