@@ -268,11 +268,13 @@ def net_status(ctx, as_json) -> None:
 def _mount_groups() -> None:
     """Groups from other modules; each gets the CliContext as its ctx.obj."""
     from cubegate.sandbox_cli import sandbox_cli
+    from cubegate.template_cli import template_cli
     from egress.audit.cli import audit
     from vault.cli import vault_cli
 
     main.add_command(audit, "audit")
     main.add_command(sandbox_cli, "sandbox")
+    main.add_command(template_cli, "template")
     main.add_command(vault_cli, "vault")
 
 

@@ -278,5 +278,5 @@ def _admin_record(rec: dict) -> dict:
             "reason": rec.get("reason") or rec.get("action"), "status": rec.get("status"),
             "extra": {k: v for k, v in rec.items() if k in
                       ("action", "tenant", "secret_id", "version", "binding_id", "actor", "outcome", "remote",
-                       "sandbox", "program", "exit_code", "path")}}
+                       "sandbox", "program", "exit_code", "path", "snapshot", "clones")}}
 

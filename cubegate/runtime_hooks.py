@@ -48,3 +48,6 @@ class DaemonHooks:
             return v.find_leaks(tenant, sandbox_id, data)
         except vaultlib.VaultError as e:
             raise Unavailable(f"vault unavailable, cannot check the request for secrets: {e}") from None
+
+    def audit(self, record: dict) -> None:
+        self.d._admin_audit(record)

@@ -128,6 +128,7 @@ Port = Annotated[int, Strict(), Field(ge=1, le=65535)]
 PortOrZero = Annotated[int, Strict(), Field(ge=0, le=65535)]   # 0: the kernel picks one
 Bool = Annotated[bool, Strict()]
 Backend = Literal["namespace", "microvm"]
+TemplateName = Annotated[str, Strict(), Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,31}$")]   # manager.TEMPLATE_NAME_RE
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
 
 
@@ -207,6 +208,14 @@ class RuntimeSettings(_Section):
     default_disk_mb: _count(1, 1 << 20) = 256
     microvm_assets: PathStr | None = None       # default: <repo>/.cache/microvm (`make setup` builds it)
     hub_netns: Annotated[str, Strict(), AfterValidator(_check_netns)] | None = None  # None = the daemon's own
+    template_cache: PathStr | None = None       # built templates; default <state_dir>/.cache/templates
+    default_template: TemplateName | None = None  # template of sandboxes whose request names none (None: host /usr)
+    pool_size: _count(0, 1024) = 0              # network slots (netns + veth + maps) kept ready ahead of creates
+    auto_pause_seconds: _seconds(le=7 * 86400) | None = None   # freeze a sandbox idle this long (no exec or other
+                                                # call on it, no traffic); the next call resumes it. None: never
+    paused_capacity: Literal["full", "memory"] = "full"   # what a paused sandbox keeps reserved: its whole
+                                                # footprint, or its memory only (CPUs free; a resume may get 429)
+    max_snapshots: _count(0, 100_000) = 100     # snapshots kept on disk (<state_dir>/runtime/snapshots)
 
 
 class Settings(_Section):
@@ -246,6 +255,10 @@ class Settings(_Section):
     @property
     def runtime_dir(self) -> Path:
         return Path(self.state_dir) / "runtime"
+
+    @property
+    def template_cache_dir(self) -> Path:
+        return Path(self.runtime.template_cache or Path(self.state_dir) / ".cache" / "templates")
 
     @property
     def microvm_assets_dir(self) -> Path:

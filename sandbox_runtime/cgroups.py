@@ -143,6 +143,12 @@ class SandboxCgroups:
     def freeze(self, timeout: float = 5.0) -> None:
         self._set_frozen(True, timeout)
 
+    def frozen(self) -> bool:
+        """The kernel's view: freezer.state FROZEN (v1) / cgroup.events "frozen 1" (v2)."""
+        if self.version == "v1":
+            return (self._read("freezer", "freezer.state") or "").strip() == "FROZEN"
+        return "frozen 1" in (self._read("unified", "cgroup.events") or "")
+
     def thaw(self, timeout: float = 5.0) -> None:
         self._set_frozen(False, timeout)
 

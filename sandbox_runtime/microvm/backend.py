@@ -16,7 +16,7 @@ from pathlib import Path
 
 from sandbox_runtime import cgroups, ids
 from sandbox_runtime.uids import sandbox_uid
-from sandbox_runtime.backend import ExecResult, Handle, Limits, SandboxError, SandboxSpec
+from sandbox_runtime.backend import ExecResult, Handle, Limits, NotSupported, SandboxError, SandboxSpec
 
 from . import assets, netplumb, template, vm
 from .channel import AgentChannel
@@ -112,6 +112,9 @@ class MicrovmBackend:
         sid = spec.sandbox_id
         if not ids.is_sandbox_id(sid):
             raise SandboxError(f"invalid sandbox id {sid!r}")
+        if spec.template or spec.seed_layer:
+            # the guest boots its busybox initramfs; a template as its root disk is not wired yet
+            raise NotSupported("the microvm backend does not boot rootfs templates yet (use backend namespace)")
         tpl = self.template_for(spec.limits)
         run_dir = self.state_dir / sid
         if len(str(run_dir / "agent.sock")) > 100:
@@ -233,6 +236,16 @@ class MicrovmBackend:
     def resume(self, h: Handle) -> None:
         self._qmp(h, "cont")
         h.data.pop("paused", None)
+
+    # ------------------------------------------------------------------ snapshots
+    SNAPSHOT_MISSING = ("microVM snapshots (guest memory and disk through QMP) are not implemented yet; "
+                        "snapshot, clone and rollback work for namespace sandboxes on a template")
+
+    def snapshot_layer(self, h: Handle, dest) -> dict:
+        raise NotSupported(self.SNAPSHOT_MISSING)
+
+    def rollback(self, h: Handle, **_) -> Handle:
+        raise NotSupported(self.SNAPSHOT_MISSING)
 
     def _vm_alive(self, h: Handle) -> bool:
         pid = h.data.get("pid")
