@@ -213,9 +213,11 @@ class NamespaceBackend:
 
     def __init__(self, state_dir: Path, ca_bundle: Path | None = None, *, host_uid: int | None = None,
                  agent_binary: Path = AGENT_BINARY, start_timeout: float = START_TIMEOUT_S,
-                 templates: TemplateStore | None = None, roots_dir: Path = tpl_rootfs.ROOTS_DIR):
+                 templates: TemplateStore | None = None, roots_dir: Path | None = None):
         self.state_dir = Path(state_dir)
-        self.roots_dir = Path(roots_dir)    # template overlays: <roots_dir>/<sandbox id>/{rw,root}
+        self.instance = ids.instance_name(self.state_dir)   # host-wide names are per runtime instance
+        # template overlays: <roots_dir>/<sandbox id>/{rw,root}
+        self.roots_dir = Path(roots_dir) if roots_dir else tpl_rootfs.ROOTS_DIR / self.instance
         self.templates = templates      # None: only template-less sandboxes (the host's /usr)
         self.ca_bundle = Path(ca_bundle) if ca_bundle else None
         self.host_uid = host_uid    # None: one uid per sandbox (uids.sandbox_uid)
@@ -274,7 +276,7 @@ class NamespaceBackend:
                                   "lower": str(tpl.rootfs)}
         cg = None
         try:
-            cg = SandboxCgroups.create(sid, spec.limits)
+            cg = SandboxCgroups.create(sid, spec.limits, group=self.instance)
             h.data["cgroups"] = cg.to_json()
             # Written before anything runs (and again with the pids): if the daemon dies mid-create,
             # list() still finds what to reap (Manager.recover destroys handles without a record).

@@ -51,6 +51,7 @@ class MicrovmBackend:
                  ca_bundle: Path | None = None, *, agent_binary: Path = assets.DEFAULT_AGENT,
                  accel: str | None = None):
         self.state_dir = Path(state_dir)
+        self.instance = ids.instance_name(self.state_dir)   # host-wide names are per runtime instance
         self.assets_dir = Path(assets_dir)
         self.ca_bundle = Path(ca_bundle) if ca_bundle else None
         self.agent_binary = Path(agent_binary)     # host side: `--launch` (setsid + cgroups + exec)
@@ -131,7 +132,8 @@ class MicrovmBackend:
             h.data["mac"] = mac
             lim = spec.limits
             cg = cgroups.SandboxCgroups.create(sid, Limits(memory_mb=lim.memory_mb + QEMU_OVERHEAD_MB,
-                                                          cpus=lim.cpus, pids=QEMU_PIDS, disk_mb=lim.disk_mb))
+                                                          cpus=lim.cpus, pids=QEMU_PIDS, disk_mb=lim.disk_mb),
+                                                    group=self.instance)
             h.data["cgroups"] = cg.to_json()
             snap_fd = os.open(tpl.snapshot, os.O_RDONLY)
             try:

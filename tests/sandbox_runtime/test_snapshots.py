@@ -240,10 +240,12 @@ def test_rollback_restores_the_files_and_keeps_identity_and_env(rt, lab):
 
 
 def _freezer_state(sid: str) -> str:
-    v1 = Path(f"/sys/fs/cgroup/freezer/cubegate/{sid}/freezer.state")
-    if v1.exists():
-        return v1.read_text().strip()
-    events = Path(f"/sys/fs/cgroup/cubegate/{sid}/cgroup.events").read_text()
+    v1 = list(Path("/sys/fs/cgroup/freezer/cubegate").glob(f"*/{sid}/freezer.state"))
+    if v1:
+        assert len(v1) == 1, v1
+        return v1[0].read_text().strip()
+    (events_path,) = Path("/sys/fs/cgroup/cubegate").glob(f"*/{sid}/cgroup.events")
+    events = events_path.read_text()
     return "FROZEN" if "frozen 1" in events else "THAWED"
 
 
@@ -265,9 +267,10 @@ def _wait(pred, timeout: float, what: str):
 def test_an_idle_sandbox_is_frozen_and_the_next_exec_resumes_it(rt, lab):
     gw, _ = rt
     sid = _sid("i")
-    counter = Path(f"/run/cubegate/roots/{sid}/rw/upper/workspace/n")   # its writable layer, seen from the host
     try:
         create(lab, gw, sid)
+        (root,) = Path("/run/cubegate/roots").glob(f"*/{sid}")     # <instance>/<sandbox id>
+        counter = root / "rw/upper/workspace/n"                     # its writable layer, seen from the host
         # busy inside, but no call and no traffic: that is idle
         sh(lab, gw, sid, "(i=0; while :; do i=$((i+1)); echo $i > n; sleep 0.05; done >/dev/null 2>&1 &)")
         _wait(lambda: api(lab, gw, "GET", f"/sandboxes/{sid}").json()["state"] == "paused", 10 * IDLE_S + 10,
