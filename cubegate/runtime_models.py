@@ -48,6 +48,13 @@ class LimitsIn(Body):
     disk_mb: int | None = Positive
 
 
+class Network(Body):
+    """Only narrows what the admin policies allow: entries are hosts, *.wildcards or CIDRs, each
+    optionally with :PORT (api.x.com:443, 10.0.0.0/8:5432, [2001:db8::/32]:443)."""
+    allow: list[str] = Field([], max_length=256, description="empty: everything the policies allow")
+    deny: list[str] = Field([], max_length=256)
+
+
 class CreateSandbox(Body):
     id: SandboxId
     tenant: Name
@@ -57,6 +64,7 @@ class CreateSandbox(Body):
     env: StrMap = {}
     files: dict[str, Base64] = Field({}, description="path under /workspace -> base64 content")
     secret_env: StrMap = Field({}, description="ENV_NAME -> vault secret id (gets its placeholder)")
+    network: Network | None = None
 
 
 class Owner(BaseModel):
