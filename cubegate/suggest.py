@@ -3,7 +3,7 @@
 Pure core (`suggest_policy`): exact hosts, one rule per host with the ports
 seen; names are folded into `*.parent` only where at least `min_siblings`
 distinct names under the same parent (of two labels or more: never `*.com`)
-were seen. IP literals become /32 (/128) cidrs rules. The reader
+were seen, the most specific such parent first. IP literals become /32 (/128) cidrs rules. The reader
 (`would_deny_records`) takes the records from the audit index.
 """
 from __future__ import annotations
@@ -38,17 +38,16 @@ def suggest_policy(records, *, sandbox: str | None = None, label: tuple[str, str
             ports_by_ip[str(ipaddress.ip_address(host))].add(port)
         except ValueError:
             ports_by_host[host.lower().rstrip(".")].add(port)
-    children: dict[str, set[str]] = defaultdict(set)
+    below: dict[str, set[str]] = defaultdict(set)     # parent domain -> names seen under it (any depth)
     for host in ports_by_host:
         labels = host.split(".")
-        if len(labels) >= 3:
-            children[".".join(labels[1:])].add(host)
-    folded: dict[str, str] = {}      # host -> the wildcard that covers it
-    for parent in sorted(children, key=lambda p: p.count(".")):   # the shortest parent with enough siblings wins
-        if len(children[parent]) >= min_siblings:
-            for h in ports_by_host:
-                if h.endswith("." + parent) and h not in folded:
-                    folded[h] = "*." + parent
+        for i in range(1, len(labels) - 1):                 # parents of two labels or more
+            below[".".join(labels[i:])].add(host)
+    folded: dict[str, str] = {}      # host -> the wildcard that covers it: the most specific parent with enough
+    for parent in sorted(below, key=lambda p: -p.count(".")):
+        if len(below[parent]) >= min_siblings:
+            for h in below[parent]:
+                folded.setdefault(h, "*." + parent)
     groups: dict[str, set[int]] = defaultdict(set)
     for host, ports in ports_by_host.items():
         groups[folded.get(host, host)] |= ports

@@ -177,3 +177,23 @@ def test_explicit_proxy_refusal_is_json_an_agent_can_read(gw):
                       lab_dns=False)
     denials = json.loads(own.stdout)
     assert denials["sandbox"] == "sb-1" and any(d["host"] == "denied.test" for d in denials["denials"])
+
+
+def test_learn_mode_suggests_the_smallest_allow_policy_from_report_mode(lab, tmp_path):
+    report = ("name: learn\napplies_to: {sandboxes: [sb-r]}\nmode: report\ndefault: deny\nrules:\n"
+              "  - {name: api, action: allow, match: {hosts: [api.allowed.test]}}\n")
+    g = Gateway(lab, tmp_path / "gwr", {"main.yaml": MAIN, "learn.yaml": report}, sandboxes={"sb-r": {}})
+    g.start()
+    try:
+        for url in ("https://x.github.test/", "https://a.b.github.test/", "https://spare1.test/",
+                    "https://api.allowed.test/"):
+            assert g.curl(url, sandbox="sb-r").status == 200          # report mode lets it through
+        g.wait_record(lambda r: r.get("host") == "spare1.test" and r.get("would_deny"))
+        time.sleep(1.5)                                               # the audit index catches up
+        doc = __import__("yaml").safe_load(g.cli("policy", "suggest", "--sandbox", "sb-r", "--since", "1h",
+                                                 "--min-siblings", "2"))
+    finally:
+        g.stop()
+    hosts = sorted(h for r in doc["rules"] for h in r["match"]["hosts"])
+    assert hosts == ["*.github.test", "spare1.test"], doc        # api.allowed.test was allowed already
+    assert doc["applies_to"] == {"sandboxes": ["sb-r"]} and all(r["match"]["ports"] == [443] for r in doc["rules"])
