@@ -54,7 +54,8 @@ def approval_latency(rounds: int) -> list[dict]:
              "evil-github.test", "redirect.allowed.test", "echo.allowed.test"][:rounds]
     out = []
     with tempfile.TemporaryDirectory() as tmp, Lab(workdir=tmp) as lab:
-        gw = Gateway(lab, Path(tmp) / "gw", {"main.yaml": "name: main\ndefault: deny\nrules: []\n"})
+        gw = Gateway(lab, Path(tmp) / "gw", {"main.yaml": "name: main\ndefault: deny\nrules: []\n"},
+                     settings_extra={"access": {"requests_per_minute": 600}})
         gw.start()
         try:
             token = (gw.state_dir / "admin.token").read_text().strip()
