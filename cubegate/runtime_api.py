@@ -176,7 +176,9 @@ class SandboxesHandler(_Base):
         req = CreateRequest(sandbox_id=body.id, tenant=body.tenant,
                             backend=body.backend or self.settings["default_backend"], labels=body.labels,
                             limits=limits, env=body.env, files=body.files, secret_env=body.secret_env,
-                            template=body.template or self.settings["default_template"])
+                            template=body.template or self.settings["default_template"],
+                            network=body.network.model_dump() if body.network is not None else None,
+                            actor=str(self.actor))
         self.reply(201, await self.run(self.manager.create, req))
 
 
@@ -308,6 +310,16 @@ class CloneHandler(_Base):
         self.reply(201, {"sandboxes": made})
 
 
+class NetworkHandler(_Base):
+    action = "sandbox.network"
+
+    @operation("Replace the sandbox's network options (they only narrow the policy; open connections they "
+               "refuse are closed)", body=m.Network, reply=m.Sandbox, errors=(404, 409))
+    async def put(self, id: str, body: m.Network) -> None:
+        self.audit["sandbox"] = id
+        self.reply(200, await self.run(self.manager.set_network, id, body.model_dump(), str(self.actor)))
+
+
 def _state_handler(op: str, summary: str, errors: tuple[int, ...]) -> type[_Base]:
     class StateHandler(_Base):
         action = f"sandbox.{op}"
@@ -326,6 +338,7 @@ ROUTES = [
     ("/v1/sandboxes/{id}/exec", ExecHandler),
     ("/v1/sandboxes/{id}/init", InitHandler),
     ("/v1/sandboxes/{id}/files", FilesHandler),
+    ("/v1/sandboxes/{id}/network", NetworkHandler),
     ("/v1/sandboxes/{id}/pause", _state_handler("pause", "Freeze all processes", (404, 409, 501))),
     ("/v1/sandboxes/{id}/resume", _state_handler("resume", "Thaw", (404, 409))),
     ("/v1/sandboxes/{id}/snapshot", SnapshotHandler),

@@ -51,6 +51,13 @@ class LimitsIn(Body):
     disk_mb: int | None = Positive
 
 
+class Network(Body):
+    """Only narrows what the admin policies allow: entries are hosts, *.wildcards or CIDRs, each
+    optionally with :PORT (api.x.com:443, 10.0.0.0/8:5432, [2001:db8::/32]:443)."""
+    allow: list[str] = Field([], max_length=256, description="empty: everything the policies allow")
+    deny: list[str] = Field([], max_length=256)
+
+
 class CreateSandbox(Body):
     id: SandboxId
     tenant: Name
@@ -62,6 +69,7 @@ class CreateSandbox(Body):
     secret_env: StrMap = Field({}, description="ENV_NAME -> vault secret id (gets its placeholder)")
     template: TemplateName | None = Field(None, description="root filesystem template (`cubegate template ls`); "
                                           "default: settings.runtime.default_template, else the host's /usr")
+    network: Network | None = None
 
 
 class Owner(BaseModel):

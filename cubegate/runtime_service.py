@@ -31,8 +31,16 @@ def open_switch(settings):
             pass
     p = settings.proxy
     return Switch(hub_netns=settings.runtime.hub_netns, state_dir=state_dir, bpffs_dir=Path(state_dir) / "bpf",
-                  transparent_port=p.transparent_port, gateway_ports=(p.transparent_port, p.explicit_port),
+                  transparent_port=p.transparent_port, gateway_ports=switch_gateway_ports(settings),
                   dns_port=settings.dns.port)
+
+
+def switch_gateway_ports(settings) -> tuple[int, ...]:
+    """What a sandbox may dial on the gateway address: the proxy ports, and 80 for
+    http://cubegate.internal (the sandbox resolver's answer; steered to the transparent
+    listener like any other port 80, so the gate serves it to that sandbox alone)."""
+    p = settings.proxy
+    return (p.transparent_port, p.explicit_port) + ((80,) if settings.dns.listen_host else ())
 
 
 def make_backends(settings, ca_bundle: Path) -> dict:

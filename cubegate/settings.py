@@ -218,6 +218,29 @@ class RuntimeSettings(_Section):
     max_snapshots: _count(0, 100_000) = 100     # snapshots kept on disk (<state_dir>/runtime/snapshots)
 
 
+def _check_webhook_url(v: str) -> str:
+    from urllib.parse import urlsplit
+    u = urlsplit(v)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError(f"webhook URL must be http(s)://host[:port]/path, got {v!r}")
+    return v
+
+
+class PolicyApiSettings(_Section):
+    enabled: Bool = True
+    port: Port = 9093                            # policy + access-request admin API, loopback only
+
+
+class AccessSettings(_Section):
+    webhook_url: Annotated[str, Strict(), AfterValidator(_check_webhook_url)] | None = None  # POST per new request
+    webhook_timeout_seconds: _seconds(le=60) = 5.0
+    requests_per_minute: _count(1, 600) = 6            # access requests one sandbox may file (token bucket)
+    max_pending_per_sandbox: _count(1, 1000) = 20
+    max_reason_chars: _count(0, 2000) = 500
+    denials_kept_per_sandbox: _count(1, 10_000) = 50   # cubegate.internal/v1/denials ring
+    grant_sweep_seconds: _seconds(le=3600) = 5.0       # how often expired grants are removed
+
+
 class Settings(_Section):
     state_dir: PathStr = "/var/lib/cubegate"
     policy_dir: PathStr = "policies"
@@ -230,11 +253,21 @@ class Settings(_Section):
     cubevs: CubevsSettings = CubevsSettings()
     dns: DnsSettings = DnsSettings()
     runtime: RuntimeSettings = RuntimeSettings()
+    policy_api: PolicyApiSettings = PolicyApiSettings()
+    access: AccessSettings = AccessSettings()
 
     # Derived paths -------------------------------------------------------
     @property
     def audit_dir(self) -> Path:
         return Path(self.audit.dir or Path(self.state_dir) / "audit")
+
+    @property
+    def policy_db(self) -> Path:
+        return Path(self.state_dir) / "policies.db"
+
+    @property
+    def admin_token_file(self) -> Path:
+        return Path(self.state_dir) / "admin.token"
 
     @property
     def identity_db(self) -> Path:

@@ -69,6 +69,9 @@ class RuntimeHooks(Protocol):
 
     def forget(self, sandbox_id: str) -> None: ...
 
+    def set_network(self, sandbox_id: str, network: dict, actor: str) -> None:
+        """Per-sandbox network options ({allow, deny}): they only narrow what the policy allows."""
+
     def l4_allow(self, sandbox_id: str, labels: dict[str, str]) -> list: ...
 
     def placeholders(self, tenant: str, sandbox_id: str) -> dict[str, str]:
@@ -85,6 +88,7 @@ class RuntimeHooks(Protocol):
 class NoHooks:
     def register(self, sandbox_id, tenant, labels): pass
     def forget(self, sandbox_id): pass
+    def set_network(self, sandbox_id, network, actor): pass
     def l4_allow(self, sandbox_id, labels): return []
     def placeholders(self, tenant, sandbox_id): return {}
     def real_secrets_in(self, tenant, sandbox_id, data): return []
@@ -102,6 +106,8 @@ class CreateRequest:
     files: dict = dataclasses.field(default_factory=dict)        # path under /workspace -> bytes
     secret_env: dict = dataclasses.field(default_factory=dict)   # ENV_NAME -> secret_id (gets its placeholder)
     template: str | None = None     # root filesystem template (sandbox_runtime/templates); None: host /usr
+    network: dict | None = None      # {allow: [...], deny: [...]} (set before the sandbox can send a packet)
+    actor: str = "runtime"
 
 
 def placeholder_env(placeholders: dict[str, str], secret_env: dict[str, str]) -> dict[str, str]:
@@ -224,6 +230,8 @@ class SandboxManager:
             labels = {**req.labels, "tenant": req.tenant}
             self.hooks.register(req.sandbox_id, req.tenant, labels)
             registered = True
+            if req.network is not None:
+                self.hooks.set_network(req.sandbox_id, req.network, req.actor)
             env = {**req.env, **placeholder_env(placeholders, req.secret_env)}
             attach = self.pool.take if self.pool is not None else self.switch.attach_sandbox
             net = attach(req.sandbox_id, l4_allow=self.hooks.l4_allow(req.sandbox_id, labels))
@@ -567,6 +575,12 @@ class SandboxManager:
         self._undo(rec, None, None, self.switch.sandbox(rec.id) is not None, True)
         rec.state, rec.error, rec.handle, rec.paused_by = "failed", reason, None, None
         self.state.put(rec)
+
+    def set_network(self, sandbox_id: str, network: dict, actor: str) -> dict:
+        """Replace a running sandbox's network options; open connections they now refuse are closed."""
+        rec = self._running(sandbox_id)
+        self.hooks.set_network(sandbox_id, network, actor)
+        return rec.public()
 
     # ------------------------------------------------------------------ destroy
     def destroy(self, sandbox_id: str) -> None:
