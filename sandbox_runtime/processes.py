@@ -47,11 +47,12 @@ def exit_of(payload: bytes) -> Exit:
         code, timed_out = int(parts[0]), parts[1] == b"1"
     except (ValueError, IndexError):
         return Exit(-1, "error", "malformed exit frame from the agent")
+    # killed by a signal: -1 and "signal: <name>" (what Go's os.ProcessState says, as envd reports it)
     if timed_out:
-        return Exit(124, "signal: killed", "the command reached its time limit")
+        return Exit(-1, "signal: killed", "the command reached its time limit")
     if code < 0:
         name = {9: "killed", 15: "terminated", 2: "interrupt", 1: "hangup"}.get(-code, f"signal {-code}")
-        return Exit(code, f"signal: {name}")
+        return Exit(-1, f"signal: {name}")
     return Exit(code, f"exit status {code}")
 
 
