@@ -425,7 +425,9 @@ class E2bCore:
         if session.proc.exit is not None:
             raise E2bError(500, "the code interpreter's kernel has exited")
         self.manager.agent_call(sandbox_id, lambda c: None, texts=[code, *(x for kv in env.items() for x in kv)])
-        session.execute(code, env, emit, timeout)
+        # never longer than the sandbox lives (a stuck cell must not hold a thread forever)
+        limit = max(1.0, rec.end_at - time.time())
+        session.execute(code, env, emit, limit if timeout is None else min(timeout, limit))
 
 
 def _key(token: str) -> tuple[float, str]:

@@ -235,6 +235,10 @@ class ProcessRpc(Rpc):
             loop.call_soon_threadsafe(_put, kind, data)
 
         def _put(kind, data):
+            # bounded while a write is blocked on a client that does not read: past the
+            # limit the stream is cut (the process goes on; reconnect by pid)
+            if kind != "end" and queued[0] > MAX_QUEUED_BYTES:
+                return
             queued[0] += len(data) if isinstance(data, bytes) else 0
             queue.put_nowait((kind, data))
 
@@ -265,9 +269,10 @@ class ProcessRpc(Rpc):
                         end["error"] = data.error
                     self.write(cx.envelope({"event": {"end": end}}))
                     break
+                over = queued[0] > MAX_QUEUED_BYTES
                 queued[0] -= len(data)
                 self.write(cx.envelope({"event": {"data": {kind: b64(data)}}}))
-                if queued[0] > MAX_QUEUED_BYTES:
+                if over:
                     error = cx.ConnectError("resource_exhausted", "reader too slow: reconnect to the process by pid")
                     break
                 await self.flush()
