@@ -98,6 +98,8 @@ class Daemon:
         self.policies.on_change(self._revoke_on_change)
         from cubegate import runtime_service  # sandboxes + their API (runtime.enabled); creates the switch
         self._runtime = await runtime_service.start_for(self)   # before DNS: the switch adds the hub address
+        from cubegate.e2b import service as e2b_service  # the E2B-compatible API on the runtime (e2b.enabled)
+        self._e2b = await e2b_service.start_for(self, self._runtime)
         from cubegate import sandbox_dns  # sandbox DNS resolver (settings.dns; off when listen_host is null)
         self._dns = await sandbox_dns.start_for(self)
         from cubegate import netwatch  # switch counters on /metrics, drop events to audit (transparent mode)
@@ -310,6 +312,8 @@ class Daemon:
         await sandbox_dns.stop_for(getattr(self, "_dns", None))
         from cubegate import netwatch
         await netwatch.stop_for(getattr(self, "_netwatch", None))
+        from cubegate.e2b import service as e2b_service
+        await e2b_service.stop_for(getattr(self, "_e2b", None))
         from cubegate import runtime_service
         await runtime_service.stop_for(getattr(self, "_runtime", None))
         if self._uninstall_resolver:

@@ -241,6 +241,29 @@ class AccessSettings(_Section):
     grant_sweep_seconds: _seconds(le=3600) = 5.0       # how often expired grants are removed
 
 
+_TENANT = Annotated[str, Strict(), Field(pattern=r"^[a-z0-9][a-z0-9_.-]{0,63}$")]
+
+
+class E2bTemplate(_Section):
+    kind: Literal["base", "code-interpreter"] = "base"
+    backend: Backend | None = None              # None: runtime.default_backend
+    memory_mb: _count(16, 1 << 20) | None = None
+    cpus: Annotated[float, Strict(), Field(gt=0, le=1024)] | None = None
+    disk_mb: _count(1, 1 << 20) | None = None
+
+
+class E2bSettings(_Section):
+    enabled: Bool = False                       # the E2B-compatible API (needs runtime.enabled)
+    port: Port = 3000                           # loopback only: E2B_API_URL and E2B_SANDBOX_URL point here
+    domain: Str | None = None                   # also route Host <port>-<id>.<domain>; None: any domain
+    tenant: _TENANT = "default"                 # the tenant of every API key not named below
+    token_tenants: dict[Str, _TENANT] = {}      # token id ("local" = the runtime token file) -> tenant
+    default_timeout_seconds: _count(1, 7 * 86400) = 300
+    max_timeout_seconds: _count(1, 30 * 86400) = 86400
+    max_upload_mb: _count(1, 4096) = 256
+    templates: dict[Str, E2bTemplate] = {}      # more template ids (or overrides of base / code-interpreter-v1)
+
+
 class Settings(_Section):
     state_dir: PathStr = "/var/lib/cubegate"
     policy_dir: PathStr = "policies"
@@ -255,6 +278,7 @@ class Settings(_Section):
     runtime: RuntimeSettings = RuntimeSettings()
     policy_api: PolicyApiSettings = PolicyApiSettings()
     access: AccessSettings = AccessSettings()
+    e2b: E2bSettings = E2bSettings()
 
     # Derived paths -------------------------------------------------------
     @property
@@ -313,6 +337,11 @@ def _cross_checks(s: Settings) -> list[tuple[tuple, str]]:
         out.append((("runtime", "enabled"), "needs proxy.transparent_port: sandbox traffic is steered there"))
     if rt.default_backend not in rt.backends:
         out.append((("runtime", "default_backend"), f"{rt.default_backend!r} is not in runtime.backends"))
+    if s.e2b.enabled and not rt.enabled:
+        out.append((("e2b", "enabled"), "needs runtime.enabled: E2B sandboxes are runtime sandboxes"))
+    for tid, t in s.e2b.templates.items():
+        if t.backend is not None and t.backend not in rt.backends:
+            out.append((("e2b", "templates", tid, "backend"), f"{t.backend!r} is not in runtime.backends"))
     if len(set(rt.backends)) != len(rt.backends):
         out.append((("runtime", "backends"), "lists a backend twice"))
     return out

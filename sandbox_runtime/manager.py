@@ -350,6 +350,17 @@ class SandboxManager:
         with self._use(sandbox_id) as rec:
             return self._backend(rec.backend).read_file(rec.handle, path)
 
+    def agent_call(self, sandbox_id: str, fn: Callable, *, texts: list[str] = (), data: bytes = b""):
+        """fn(AgentClient) on a running sandbox (agent 2 requests: streamed execs, signals,
+        filesystem). `texts`/`data`: what the request carries into the sandbox, checked for
+        real secret values first like every other way in."""
+        with self._use(sandbox_id) as rec:    # resumes an auto-paused sandbox; never paused mid-call
+            self._refuse_real_secrets(rec.tenant, rec.id, [str(t) for t in texts], data)
+            b = self._backend(rec.backend)
+            if not hasattr(b, "agent_call"):
+                raise NotSupported(f"backend {rec.backend} offers no direct agent calls")
+            return b.agent_call(rec.handle, fn)
+
     # ------------------------------------------------------------------ pause (by API or when idle)
     def pause(self, sandbox_id: str) -> dict:
         with self._wake_lock:

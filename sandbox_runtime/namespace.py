@@ -102,7 +102,8 @@ def bwrap_argv(*, sandbox_id: str, disk_mb: int, seccomp_fd: int, agent_fd: int,
     a += ["--proc", "/proc", "--dev", "/dev",
           "--size", str(disk_mb << 20), "--tmpfs", "/workspace",
           "--size", str(disk_mb << 20), "--tmpfs", "/tmp",
-          "--dir", "/etc", "--dir", "/etc/ssl/certs", "--dir", "/run"]
+          "--dir", "/etc", "--dir", "/etc/ssl/certs", "--dir", "/run",
+          "--symlink", "/workspace", "/home/user"]   # a writable home for E2B's default user
     for rel in host_etc:
         a += ["--ro-bind", f"/etc/{rel}", f"/etc/{rel}"]
     for rel, fd in etc_fds.items():
@@ -474,6 +475,10 @@ class NamespaceBackend:
 
     def read_file(self, h: Handle, path: str, max_bytes: int = 16 << 20) -> bytes:
         return self._client(h).read_file(path, max_bytes)
+
+    def agent_call(self, h: Handle, fn):
+        """fn(AgentClient) for requests beyond exec/files (agent 2: streams, signals, fs)."""
+        return fn(self._client(h))
 
     def set_env(self, h: Handle, env: dict[str, str]) -> None:
         self._client(h).set_env(self._base_env(h, env))

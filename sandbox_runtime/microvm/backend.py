@@ -216,6 +216,10 @@ class MicrovmBackend:
     def read_file(self, h: Handle, path: str, max_bytes: int = 16 << 20) -> bytes:
         return self._channel(h).call(lambda c: c.read_file(path, max_bytes))
 
+    def agent_call(self, h: Handle, fn):
+        """fn(AgentClient) on the VM's serial agent (no streamed execs there)."""
+        return self._channel(h).call(fn)
+
     def set_env(self, h: Handle, env: dict[str, str]) -> None:
         full = {**base_env(h.sandbox_id), **env}
         self._channel(h).call(lambda c: c.set_env(full))
