@@ -23,6 +23,11 @@ Extra routes (the first path segment picks the route):
   /hexmixed               the key hex-encoded, alternating upper and lower case
   /hold [s=3]             answers after s seconds (at most 10)
   /endless-head [mib=64]  a response head that never ends: 64 KiB header lines up to mib MiB
+  /ce [h=gzip&enc=gzip]   body encoded by each coding in enc (left to right), Content-Encoding: h verbatim
+  /gzip-split             two gzip members, the key split between them
+  /br-split               one brotli stream, the key split across two metablocks
+  /hdrname                a response header whose NAME is the key in unpadded base64url (a valid token)
+  /location               302 with the key in the Location query
 """
 from __future__ import annotations
 
@@ -189,6 +194,26 @@ def route(req: Request, log: RequestLog) -> Reply:
             log.write("endless_sent", rid=req.rid, path=req.path, sent=sent)
             h.close_connection = True
         return Reply(raw_h1=raw)
+    if path == "/ce":
+        body = b"coded key=" + key + b"\n"
+        for c in [c.strip() for c in q.get("enc", "gzip").split(",") if c.strip()]:
+            body = hostile._ENCODERS[c](body)
+        return Reply(200, [*text, ("Content-Encoding", q.get("h", "gzip"))], body)
+    if path == "/gzip-split":
+        half = len(key) // 2
+        body = gzip.compress(b"first key=" + key[:half], mtime=0) + gzip.compress(key[half:] + b"\n", mtime=0)
+        return Reply(200, [*text, ("Content-Encoding", "gzip")], body)
+    if path == "/br-split":
+        import brotli
+        half = len(key) // 2
+        comp = brotli.Compressor()
+        body = comp.process(b"first key=" + key[:half]) + comp.flush() + comp.process(key[half:] + b"\n") + comp.finish()
+        return Reply(200, [*text, ("Content-Encoding", "br")], body)
+    if path == "/hdrname":
+        name = base64.urlsafe_b64encode(key).rstrip(b"=").decode()
+        return Reply(200, [*text, (name, "1")], b"look at the header names\n")
+    if path == "/location":
+        return Reply(302, [*text, ("Location", "https://elsewhere.test/cb?k=" + key.decode("latin-1"))], b"moved\n")
     return _hostile_route(req, log)
 
 

