@@ -19,14 +19,13 @@ import ssl
 import threading
 import time
 import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
 
 from testbed.hostile_attack import ATTACK_HOSTS, ensure_attack_upstream, mixed_case_hex
 from tests.gateway import rawclient
-from tests.gateway.hostile_env import TIMEOUT, Refused, Sandbox, assert_never_leaked, found_forms, parse_h1
+from tests.gateway.hostile_env import TIMEOUT, Sandbox, assert_never_leaked, found_forms
 from tests.gateway.switchlab import switch_lab
 from tests.gateway.test_exhaustion import RssWatch
 
@@ -348,6 +347,24 @@ def test_scrub_neighbours_that_held(env, route):
     resp = env.sandbox("explicit").get("https", EVIL, f"/{name}/{m}{rest[1:]}", timeout=3)
     _injected(env, m)
     assert_never_leaked(resp.wire, KEY_E, what=route)
+
+
+@pytest.mark.parametrize("host", [EVIL, EVH1])
+def test_h2_absolute_path_does_not_front_another_host(env, host):
+    """Issue #10 item 1's rule covers every name a request carries. An HTTP/2 :path in absolute
+    form names a host too: relayed to an HTTP/1.1 upstream it becomes an absolute-form request
+    target, which RFC 9112 says wins over Host."""
+    m = _marker()
+    sock = env.sandbox("explicit").tls(host, alpn=("h2",))
+    try:
+        out = h2_session(sock, [{"headers": [(":method", "GET"), (":scheme", "https"), (":authority", host),
+                                             (":path", f"https://{LEAK}/echo/{m}")]}], timeout=3)
+    finally:
+        sock.close()
+    got = env.up.requests(m)
+    fronted = [r["target"] for r in got if LEAK in r["target"]
+               and any(k.lower() == "authorization" and KEY_E in v for k, v in r["headers"])]
+    assert not fronted, f"the key for {host} went out with request target {fronted} ({out['streams']})"
 
 
 # ================================================================ outbound leak check
