@@ -25,7 +25,7 @@ class Relay:
         self.upstream: _Side | None = None
         self._on_in = on_bytes_in
         self.idle_timeout = idle_timeout
-        self.active = True        # a byte moved since the idle timer last looked
+        self.last = self.loop.time()   # when a byte last moved, either way
         self._idle_handle = None
         self.idle_expired = False
 
@@ -59,9 +59,9 @@ class Relay:
     def _idle_check(self) -> None:
         if self.done.done():
             return
-        if self.active:
-            self.active = False
-            self._idle_handle = self.loop.call_later(self.idle_timeout, self._idle_check)
+        due = self.last + self.idle_timeout
+        if due > self.loop.time():   # a byte moved meanwhile: look again when it would be due
+            self._idle_handle = self.loop.call_at(due, self._idle_check)
             return
         self.idle_expired = True
         self.abort()
@@ -101,7 +101,7 @@ class _Side(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.on_bytes(len(data))
-        self.relay.active = True
+        self.relay.last = self.relay.loop.time()
         peer = self.peer
         if peer is None:
             self.early += data
@@ -135,7 +135,7 @@ class _Side(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.lost = True
-        self.relay.active = True
+        self.relay.last = self.relay.loop.time()
         peer = self.peer
         if peer is not None and not peer.transport.is_closing():
             if exc is None:
