@@ -124,10 +124,10 @@ class FastPath:
         """mitmproxy takes the connection from here; the gate decides and audits it."""
         if c.lost:
             return                       # gone already: its connection_closed record is ours
+        coro = mitm_internals.hand_over(self.master, self.specs[c.transparent], c.transport, bytes(c.buf), c.eof)
         self.gate.claims.release(c.st)
         c.handed = True
         self.outcomes.labels("handed_over").inc()
-        coro = mitm_internals.hand_over(self.master, self.specs[c.transparent], c.transport, bytes(c.buf), c.eof)
         task = asyncio.get_running_loop().create_task(coro)
         self.handed_over.add(task)
         task.add_done_callback(self.handed_over.discard)
@@ -141,7 +141,10 @@ class FastPath:
                 await self._explicit(c)
         except Exception as e:   # fail closed: refused and audited, never relayed
             log.exception("fast path: refusing connection %s after an internal error", c.st.conn_id)
-            if not c.handed and not c.finished_deciding:
+            c.handed = False
+            if c.finished_deciding:
+                c.st.kind, c.st.denied_reason = "denied", "internal_error"
+            else:
                 self._refuse(c, "internal_error", stage="connect", extra={"error": type(e).__name__})
             c.abort()
         finally:
@@ -151,7 +154,7 @@ class FastPath:
                 if c.relay is not None:
                     await c.relay.done
                 else:
-                    await c.wait_closed()
+                    c.finish(None)       # every path has answered by now; this only makes sure
                 self._forget(c, audit=True)
 
     def _forget(self, c: "_Conn", *, audit: bool) -> None:
@@ -404,7 +407,7 @@ class _Conn(asyncio.Protocol):
         self.relay: Relay | None = None
         self.timer = None
         self._waiter: asyncio.Future | None = None
-        self._closed: asyncio.Future | None = None
+        self.task: asyncio.Task | None = None
         self.transport = None
         self.st: ConnState | None = None
         self.peer = None
@@ -416,8 +419,7 @@ class _Conn(asyncio.Protocol):
                             started=time.monotonic(), transparent=self.transparent)
         self.fp.conns.add(self)
         self.fp.gate.metrics.active_connections.inc()
-        self._closed = asyncio.get_running_loop().create_future()
-        asyncio.get_running_loop().create_task(self.fp.serve(self))
+        self.task = asyncio.get_running_loop().create_task(self.fp.serve(self))   # held: tasks are weakly referenced
 
     def data_received(self, data: bytes) -> None:
         self.st.bytes_out += len(data)
@@ -434,8 +436,6 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.lost = True
         self._wake()
-        if self._closed is not None and not self._closed.done():
-            self._closed.set_result(None)
 
     def _wake(self) -> None:
         w = self._waiter
@@ -470,10 +470,6 @@ class _Conn(asyncio.Protocol):
         finally:
             self._waiter = None
             self.timer_cancel()
-
-    async def wait_closed(self) -> None:
-        if self._closed is not None:
-            await self._closed
 
     # byte counters of the relay
     def count_out(self, n: int) -> None:
