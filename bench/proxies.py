@@ -96,7 +96,7 @@ FilterDefaultDeny No
 def gateway_knows_workers() -> bool:
     """True once cubegate's settings have proxy.workers (issue #11 item 3)."""
     from cubegate.settings import ProxySettings
-    return "workers" in ProxySettings.model_fields
+    return "workers" in ProxySettings.model_fields   # pydantic settings (#12)
 
 
 def _wait_listening(lab, port: int, proc: subprocess.Popen, what: str, logs: list[Path]) -> None:

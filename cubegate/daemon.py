@@ -41,6 +41,7 @@ class Daemon:
         self.metrics = GatewayMetrics()
         self.readiness = Readiness()
         self.master = None
+        self.fast_path = None            # egress/fastpath: our listeners in front of mitmproxy (proxy.fast_path)
         self.ops_server = None
         self._stop = asyncio.Event()
         self.supervisor = Supervisor()   # every long-running task: a dead one turns /readyz 503
@@ -108,7 +109,13 @@ class Daemon:
             gate=self.gate, listen_host=s.proxy.listen_host, explicit_port=s.proxy.explicit_port,
             transparent_port=s.proxy.transparent_port, confdir=str(s.ca_dir),
             upstream_ca_bundle=s.upstream.ca_bundle, idle_timeout=s.proxy.idle_timeout,
+            own_listeners=not s.proxy.fast_path,
         )
+        if s.proxy.fast_path:
+            from egress.fastpath.server import FastPath
+            self.fast_path = FastPath(gate=self.gate, master=self.master, listen_host=s.proxy.listen_host,
+                                      explicit_port=s.proxy.explicit_port, transparent_port=s.proxy.transparent_port,
+                                      idle_timeout=s.proxy.idle_timeout)
         self._add_readiness_checks()
         self.vault_api = None
         self._start_vault_api()
@@ -135,9 +142,13 @@ class Daemon:
             sup.watch("netwatch", self._netwatch.task)
         if self._dns is not None:
             sup.start("sandbox-dns", self._dns.serve())
-        from egress.engine import widen_listen_backlog  # bursts of connects must not be dropped
-        self._backlog = sup.start("listen-backlog", widen_listen_backlog(self.master), forever=False)
         self._master_task = sup.start("mitmproxy", self._run_master())   # run() stops the daemon when it ends
+        if self.fast_path is not None:
+            await self.fast_path.start()    # binds with a 4096 backlog itself
+            self._backlog = None
+        else:
+            from egress.engine import widen_listen_backlog  # bursts of connects must not be dropped
+            self._backlog = sup.start("listen-backlog", widen_listen_backlog(self.master), forever=False)
 
     async def _run_master(self) -> None:
         try:
@@ -242,6 +253,8 @@ class Daemon:
         self.readiness.add("tasks", self.supervisor.check)
 
     def _listeners_ready(self) -> tuple[bool, str]:
+        if self.fast_path is not None:
+            return self.fast_path.listeners_bound()
         bound, detail = listeners_bound(self.master)
         backlog = getattr(self, "_backlog", None)
         if bound and (backlog is None or not backlog.done()):
@@ -297,9 +310,11 @@ class Daemon:
             # Graceful drain (egress/drain.py): all listeners closed first so a new
             # gateway can bind, in-flight flows finish up to proxy.drain_seconds.
             from egress.drain import drain
-            await drain(self.master, self.settings.proxy.drain_seconds,
-                        close_first=(self.ops_server, getattr(self, "vault_api", None),
-                                     getattr(self, "policy_api", None)))
+            seconds = self.settings.proxy.drain_seconds
+            fast = self.fast_path.drain(seconds) if self.fast_path is not None else asyncio.sleep(0)
+            await asyncio.gather(fast, drain(self.master, seconds,
+                                             close_first=(self.ops_server, getattr(self, "vault_api", None),
+                                                          getattr(self, "policy_api", None))))
             self.master.shutdown()
         if self.ops_server is not None:
             self.ops_server.stop()

@@ -153,6 +153,8 @@ class ProxySettings(_Section):
     inspect_buffer_bytes: _count(0, 1 * GiB) = 1 * MiB         # inspected bodies up to this (known length) are
                                                                # buffered whole, so a refusal is a readable 403/502
     max_buffered_bytes_per_sandbox: _count(0, 64 * GiB) = 16 * MiB  # all of one sandbox's buffered bodies
+    fast_path: Bool = True                      # our listeners decide and relay what needs no interception;
+                                                # false: mitmproxy alone (the fallback)
 
 
 class OpsSettings(_Section):

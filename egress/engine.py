@@ -26,7 +26,10 @@ def build_master(
     upstream_ca_bundle: str | None,
     idle_timeout: int | None = None,
     extra_addons: tuple = (),
+    own_listeners: bool = True,
 ) -> Master:
+    """own_listeners=False: mitmproxy binds nothing; the fast path (egress/fastpath/) accepts
+    every connection and hands it the ones it must see (mitm_internals.hand_over)."""
     mitm_internals.install_safe_error_pages()   # no error page quotes the bytes that failed
     mitm_internals.install_trailer_refusal()     # HTTP/1 trailers are refused, never a hung connection
     log_redact.install()                         # no engine log line does either
@@ -45,9 +48,9 @@ def build_master(
         errorcheck.ErrorCheck(),
     )
     modes = []
-    if explicit_port is not None:
+    if explicit_port is not None and own_listeners:
         modes.append(f"regular@{listen_host}:{explicit_port}")
-    if transparent_port is not None:
+    if transparent_port is not None and own_listeners:
         modes.append(f"transparent@{listen_host}:{transparent_port}")
     update = dict(
         mode=modes,

@@ -16,8 +16,6 @@ import functools
 import json
 import logging
 import time
-import uuid
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mitmproxy import connection, ctx, http, tls
@@ -28,21 +26,21 @@ from egress import mitm_internals, netguard
 from egress.bodies import (BodyLimits, BodyRefused, BufferBudget, RefusedResponseStream, RequestLeakStream,
                            ResponseScrubStream, check_request_body, content_encoding, make_decoder,
                            scrub_response_body)
-from egress.audit.log import AuditWriteError
-from egress.audit.record import now_ts
 from egress.http_checks import (PROXY_ONLY_HEADERS, Refusal, check_framing, check_header_limits,
                                 check_request_authority, split_host_port)
+from egress.conn_state import ConnectionClaims, ConnState
+from egress.destination import AGENT_HOST, decide_destination, needs_interception
 from egress.identity import Identity, IdentityStore
+from egress import records
 from egress.metrics import GatewayMetrics
 from egress.policy import Decision, RequestInfo, normalize_host
 from egress.revocation import Closer, OpenConnection, Predicate, Registered
 
+__all__ = ["AGENT_HOST", "ConnState", "PolicyGate"]   # ConnState/AGENT_HOST live in egress.conn_state/destination; re-exported
+
 log = logging.getLogger("cubegate.gate")
 
 PLAIN_HTTP_PORTS = frozenset({80})
-AGENT_HOST = "cubegate.internal"   # served by the gateway itself to each sandbox (egress.agent_endpoint)
-ACCESS_HINT = (f"GET http://{AGENT_HOST}/v1/denials lists your recent denials; POST http://{AGENT_HOST}"
-               "/v1/access-requests with {\"host\", \"port\", \"reason\"} asks a person for access")
 TLS_PORTS = frozenset({443})
 
 
@@ -98,34 +96,6 @@ class SandboxLookup(Protocol):
     """Transparent mode: who owns this source address (cubevs registry)."""
 
     def lookup_by_ip(self, ip: str) -> Identity | None: ...
-
-
-@dataclass
-class ConnState:
-    conn_id: str
-    client: str
-    started: float
-    transparent: bool = False
-    identity: Identity | None = None
-    host: str | None = None          # normalised destination host (CONNECT, or SNI in transparent mode)
-    port: int | None = None
-    conn_port: int | None = None     # transparent: the port the sandbox dialled (80/443), fixed for the connection
-    ip_literal: bool = False
-    sni: str | None = None
-    decision: Decision | None = None
-    intercept: bool = False
-    tunnel: bool = False             # an allowed CONNECT (or transparent TLS) fixed the destination
-    kind: str = "pending"            # passthrough | intercept | http | denied | tcp
-    denied_reason: str | None = None
-    upstream: str | None = None
-    bytes_out: int = 0               # sandbox → upstream
-    bytes_in: int = 0                # upstream → sandbox
-    requests: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-    counted_for: str | None = None   # sandbox whose connection budget this connection holds
-    refused_pending: int = 0         # requests refused at their head whose body mitmproxy still reads
-    refused_allowance: int = 0       # bytes the sandbox may still send for those bodies
-    head_timer: Any = None           # slowloris: fires if the request head / ClientHello is not complete
 
 
 class _CountingReader:
@@ -185,7 +155,7 @@ class PolicyGate:
         self.max_connections_per_sandbox = max_connections_per_sandbox
         self.body_limits = body_limits or BodyLimits()
         self.buffer_budget = BufferBudget(self.body_limits.max_buffered_bytes_per_sandbox)
-        self._open_per_sandbox: dict[str, int] = {}
+        self.claims = ConnectionClaims(max_connections_per_sandbox)   # shared with the fast path
         self.agent_endpoint = agent_endpoint   # serves cubegate.internal (None: the name is refused like any other)
         self.registered = Registered()   # other data paths' connections (revoke_where closes them too)
 
@@ -239,32 +209,9 @@ class PolicyGate:
 
     # ------------------------------------------------------------------ helpers
     def _audit(self, event: str, st: ConnState | None, **fields: Any) -> bool:
-        rec: dict[str, Any] = {
-            "id": uuid.uuid4().hex,
-            "ts": now_ts(),
-            "event": event,
-        }
-        if st is not None:
-            rec.update(
-                conn_id=st.conn_id,
-                client=st.client,
-                sandbox=st.identity.sandbox_id if st.identity else None,
-                host=st.host,
-                port=st.port,
-                sni=st.sni,
-            )
-        rec.update({k: v for k, v in fields.items() if v is not None})
-        try:
-            self.audit.append(rec)
-            return True
-        except (AuditWriteError, OSError, ValueError) as e:
-            self.metrics.audit_errors.inc()
-            log.error("audit append failed, refusing flow: %s", e)
-            return False
+        return records.append(self.audit, self.metrics, records.audit_record(event, st, **fields))
 
-    def _decision_fields(self, d: Decision) -> dict[str, Any]:
-        return dict(decision=d.action, reason=d.reason, rule=d.rule, policy=d.policy, mode=d.mode,
-                    would_deny=d.would_deny or None)
+    _decision_fields = staticmethod(records.decision_fields)
 
     def _count(self, st: ConnState, action: str, reason: str, stage: str) -> None:
         sandbox = st.identity.sandbox_id if st.identity else "-"
@@ -295,28 +242,10 @@ class PolicyGate:
 
     def _claim_connection(self, st: ConnState, identity: Identity) -> bool:
         """Count this connection against its sandbox's budget; False when the budget is spent."""
-        st.identity = identity
-        sandbox = identity.sandbox_id
-        if st.counted_for == sandbox:
-            return True
-        if st.counted_for is not None:
-            self._release_connection(st)
-        n = self._open_per_sandbox.get(sandbox, 0)
-        if self.max_connections_per_sandbox and n >= self.max_connections_per_sandbox:
-            return False
-        self._open_per_sandbox[sandbox] = n + 1
-        st.counted_for = sandbox
-        return True
+        return self.claims.claim(st, identity)
 
     def _release_connection(self, st: ConnState) -> None:
-        sandbox, st.counted_for = st.counted_for, None
-        if sandbox is None:
-            return
-        n = self._open_per_sandbox.get(sandbox, 1) - 1
-        if n > 0:
-            self._open_per_sandbox[sandbox] = n
-        else:
-            self._open_per_sandbox.pop(sandbox, None)
+        self.claims.release(st)
 
     def _kill_client(self, client: connection.Client) -> None:
         # Flush what is queued (e.g. a 403), else reset: the sandbox must not hang on a
@@ -384,54 +313,15 @@ class PolicyGate:
     @staticmethod
     def _deny_response(status: int, reason: str, detail: str, *, st: ConnState | None = None,
                        decision: Decision | None = None) -> http.Response:
-        """Every refusal: X-Cubegate-Reason plus a short JSON body an agent can read (what was
-        refused, by which rule of which policy, and where to ask for access)."""
-        body = {"error": "refused_by_cubegate", "reason": reason, "detail": detail,
-                "host": st.host if st is not None else None, "port": st.port if st is not None else None,
-                "rule": decision.rule if decision is not None else None,
-                "policy": decision.policy if decision is not None else None}
-        if status == 403:
-            body["ask_for_access"] = ACCESS_HINT
-        return http.Response.make(status, (json.dumps(body) + "\n").encode(), {
-            "Content-Type": "application/json",
-            "X-Cubegate-Reason": reason,
-            "Connection": "close",
-        })
+        """Every refusal: X-Cubegate-Reason plus a short JSON body an agent can read (egress.records)."""
+        return http.Response.make(status, records.deny_body(status, reason, detail, st=st, decision=decision),
+                                  records.deny_headers(reason))
 
     async def _destination(self, st: ConnState, raw_host: str, port: int, *, scheme, method, path) -> tuple[Decision | None, Refusal | None]:
         """Normalise + SSRF-check a destination and ask the policy. No upstream I/O but DNS."""
-        literal = netguard.parse_ip_literal(raw_host)
-        if literal is not None:
-            reason = self.guard.check(literal, port)
-            if reason is not None:
-                return None, Refusal(403, f"ssrf_{reason}", f"destination {literal} is {reason}")
-            host = str(literal)
-        else:
-            try:
-                host = normalize_host(raw_host)
-            except ValueError as e:
-                return None, Refusal(400, "invalid_host", str(e))
-        st.ip_literal = literal is not None
-        if host == AGENT_HOST:
-            return None, Refusal(403, "agent_endpoint_plain_http_only",
-                                 f"{AGENT_HOST} is the gateway itself: plain HTTP on port 80 only")
-        identity = st.identity
-        decision = self.policies.current.decide(RequestInfo(
-            sandbox_id=identity.sandbox_id, labels=identity.labels, host=host, port=port,
-            scheme=scheme, method=method, path=path, is_ip_literal=literal is not None,
-        ))
-        st.host, st.port = host, port
-        if decision.action == "allow" and literal is None:
-            # Resolve now so a name pointing at a private address gets a clear 403
-            # instead of a dead tunnel. The connect re-resolves through the same
-            # guard, so a rebinding answer cannot slip through in between.
-            try:
-                await self.resolver.resolve(host, port)
-            except netguard.DestinationBlocked as e:
-                return decision, Refusal(403, f"ssrf_{e.reason}", str(e))
-            except netguard.DestinationUnresolvable as e:
-                return decision, Refusal(502, "unresolvable", str(e))
-        return decision, None
+        v = await decide_destination(st, raw_host, port, policies=self.policies, guard=self.guard,
+                                     resolver=self.resolver, scheme=scheme, method=method, path=path)
+        return v.decision, v.refusal
 
     # ------------------------------------------------------------- connection
     def client_connected(self, client: connection.Client) -> None:
@@ -495,13 +385,7 @@ class PolicyGate:
         self.metrics.bytes.labels(sandbox, "out").inc(st.bytes_out)
         self.metrics.bytes.labels(sandbox, "in").inc(st.bytes_in)
         self.metrics.connection_duration.labels(st.kind).observe(duration)
-        self._audit(
-            "connection_closed", st, bytes_in=st.bytes_in, bytes_out=st.bytes_out,
-            duration_ms=round(duration * 1000, 3), upstream=st.upstream,
-            decision=st.decision.action if st.decision and st.kind != "denied" else ("deny" if st.kind == "denied" else None),
-            reason=st.denied_reason or (st.decision.reason if st.decision else None),
-            extra={"kind": st.kind, "requests": st.requests},
-        )
+        self._audit("connection_closed", st, **records.closed_fields(st, duration))
 
     # ---------------------------------------------------------------- CONNECT
     async def http_connect(self, flow: http.HTTPFlow) -> None:
@@ -540,8 +424,7 @@ class PolicyGate:
             flow.response = self._deny_response(refusal.status, refusal.reason, refusal.detail, st=st,
                                                 decision=decision)
             return
-        tenant = decision.tenant
-        st.intercept = decision.needs_inspection or self.credentials.needs_interception(tenant, st.host, st.port)
+        st.intercept = needs_interception(decision, self.credentials, st.host, st.port)
         if not self._audit("decision", st, method="CONNECT", status=200,
                            extra={"intercept": st.intercept}, **self._decision_fields(decision)):
             st.kind, st.denied_reason = "denied", "audit_unavailable"
@@ -598,8 +481,7 @@ class PolicyGate:
                 if refusal is None and decision.action != "allow":
                     refusal = Refusal(403, decision.reason, _explain(decision))
                 if refusal is None:
-                    st.intercept = decision.needs_inspection or self.credentials.needs_interception(
-                        decision.tenant, st.host, st.port)
+                    st.intercept = needs_interception(decision, self.credentials, st.host, st.port)
                     # Connect to the name the sandbox asked for, resolved by us, never to its chosen IP.
                     data.context.server.address = (st.host, st.port)
                     st.tunnel = True
@@ -632,7 +514,7 @@ class PolicyGate:
                 self._count(st, "deny", d.reason, "sni")
                 self._kill_client(client)
                 return
-            st.intercept = d.needs_inspection or self.credentials.needs_interception(d.tenant, st.host, st.port)
+            st.intercept = needs_interception(d, self.credentials, st.host, st.port)
         if st.transparent and not self._audit("decision", st, extra={"intercept": st.intercept},
                                               **self._decision_fields(st.decision)):
             st.kind, st.denied_reason = "denied", "audit_unavailable"
@@ -1125,11 +1007,7 @@ def _canonical_host(h: str) -> str:
     return str(lit) if lit is not None else normalize_host(h)
 
 
-def _explain(d: Decision) -> str:
-    parts = [f"policy {d.policy}" if d.policy else "no policy"]
-    if d.rule:
-        parts.append(f"rule {d.rule}")
-    return ", ".join(parts)
+_explain = records.explain
 
 
 def _path_only(path: str) -> str:

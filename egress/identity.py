@@ -4,6 +4,11 @@ Tokens are 32 random bytes, so a single SHA-256 is enough (no slow KDF needed:
 there is nothing to brute-force). Lookup is by sandbox id, then a
 constant-time comparison of the hashes. The table lives in SQLite so that
 `cubegate identity add` in another process takes effect without a restart.
+
+Successful authentications are cached in memory (every CONNECT authenticates):
+the cache is dropped whenever the database changes, ours or another process's
+(SQLite's data_version), so a removed or re-keyed sandbox is refused at once.
+Failures are never cached (a sandbox cannot fill memory with wrong tokens).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from pathlib import Path
 from typing import Mapping
 
 SANDBOX_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+CACHE_MAX = 65536   # cached (sandbox, token hash) pairs; cleared whole when full
 LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,62}$")
 
 
@@ -68,6 +74,8 @@ class IdentityStore:
             " sandbox_id TEXT PRIMARY KEY, labels TEXT NOT NULL, token_hash TEXT NOT NULL,"
             " created REAL NOT NULL)"
         )
+        self._cache: dict[tuple[str, str], Identity] = {}
+        self._cache_version: int | None = None
 
     def close(self) -> None:
         self._db.close()
@@ -96,11 +104,13 @@ class IdentityStore:
                 )
             except sqlite3.IntegrityError:
                 raise IdentityError(f"sandbox {sandbox_id!r} already exists (use --replace to re-key)") from None
+            self._cache.clear()   # data_version only counts other connections' commits
         return token
 
     def remove(self, sandbox_id: str) -> bool:
         with self._lock:
             cur = self._db.execute("DELETE FROM identities WHERE sandbox_id = ?", (sandbox_id,))
+            self._cache.clear()
         return cur.rowcount > 0
 
     def get(self, sandbox_id: str) -> Identity | None:
@@ -115,17 +125,33 @@ class IdentityStore:
             rows = self._db.execute("SELECT sandbox_id, labels FROM identities ORDER BY sandbox_id").fetchall()
         return [Identity(r[0], json.loads(r[1])) for r in rows]
 
+    def _cached(self, key: tuple[str, str]) -> Identity | None:
+        """Caller holds the lock. data_version changes when another connection commits."""
+        version = self._db.execute("PRAGMA data_version").fetchone()[0]
+        if version != self._cache_version:
+            self._cache.clear()
+            self._cache_version = version
+        return self._cache.get(key)
+
     def authenticate(self, sandbox_id: str, token: str) -> Identity | None:
-        with self._lock:
+        key = (sandbox_id, _hash(token))
+        with self._lock:   # one hold: a cached entry is never older than the version it is filed under
+            hit = self._cached(key)
+            if hit is not None:
+                return hit
             row = self._db.execute(
                 "SELECT labels, token_hash FROM identities WHERE sandbox_id = ?", (sandbox_id,)
             ).fetchone()
-        # Compare even when the id is unknown so timing does not reveal which ids exist.
-        stored = row[1] if row else "0" * 64
-        ok = hmac.compare_digest(stored, _hash(token))
-        if not (row and ok):
-            return None
-        return Identity(sandbox_id, json.loads(row[0]))
+            # Compare even when the id is unknown so timing does not reveal which ids exist.
+            stored = row[1] if row else "0" * 64
+            ok = hmac.compare_digest(stored, key[1])
+            if not (row and ok):
+                return None
+            ident = Identity(sandbox_id, json.loads(row[0]))
+            if len(self._cache) >= CACHE_MAX:
+                self._cache.clear()
+            self._cache[key] = ident
+            return ident
 
     def authenticate_header(self, value: str | None) -> Identity | None:
         creds = parse_proxy_authorization(value)

@@ -35,6 +35,11 @@ class GatewayMetrics:
         self.audit_errors = Counter(
             "cubegate_audit_write_errors_total", "Audit appends that failed (flow refused)", registry=r
         )
+        self.fast_path = Counter(
+            "cubegate_fast_path_connections_total",
+            "Connections the fast path finished itself (relayed, refused) or handed to mitmproxy", ["outcome"],
+            registry=r,
+        )
         self.policy_reloads = Counter(
             "cubegate_policy_reloads_total", "Policy reload attempts", ["result"], registry=r
         )

@@ -146,3 +146,65 @@ def install_trailer_refusal() -> None:
 
 def trailer_refusal_installed() -> bool:
     return getattr(_http1.Http1Connection.read_body, "_cubegate", False)
+
+
+# -- fast path: parsing with mitmproxy's own parsers, and the hand-over ---------------
+# The fast path (egress/fastpath/) reads a connection's first bytes itself. It parses
+# them with the same functions mitmproxy uses, so a head or an SNI means the same on
+# both paths, and hands what needs mitmproxy over inside the process, bytes replayed.
+def read_request_head(lines: list[bytes]):
+    """mitmproxy's HTTP/1 request-head parser (ValueError when malformed)."""
+    from mitmproxy.net.http.http1 import read_request_head as _read
+    return _read(lines)
+
+
+def starts_like_tls(data: bytes) -> bool:
+    from mitmproxy.net.tls import starts_like_tls_record
+    return starts_like_tls_record(data)
+
+
+def parse_client_hello(data: bytes):
+    """A complete ClientHello (mitmproxy.tls.ClientHello), None while incomplete; ValueError when invalid."""
+    from mitmproxy.proxy.layers.tls import parse_client_hello as _parse
+    return _parse(data)
+
+
+def hand_over(master, mode_spec: str, transport, replay: bytes, eof: bool):
+    """Give an accepted connection to mitmproxy as if its own listener had accepted it, with
+    `replay` (the bytes already read) delivered first. Returns the handler's coroutine.
+
+    The same steps as mitmproxy's AsyncioServerInstance.handle_stream (a StreamReader over
+    the transport, a ProxyConnectionHandler registered with the proxyserver addon): the
+    connection runs every hook of the gate, exactly like one mitmproxy accepted."""
+    import asyncio
+
+    from mitmproxy.proxy import mode_servers, mode_specs
+
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=2 ** 16, loop=loop)
+    protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+    transport.set_protocol(protocol)
+    protocol.connection_made(transport)
+    if replay:
+        reader.feed_data(replay)
+    if eof:
+        reader.feed_eof()
+    writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+    instance = mode_servers.ServerInstance.make(mode_specs.ProxyMode.parse(mode_spec),
+                                                master.addons.get("proxyserver"))
+    transport.resume_reading()
+    return instance.handle_stream(reader, writer)
+
+
+def connection_count(master) -> int:
+    ps = master.addons.get("proxyserver")
+    return len(ps.connections) if ps is not None else 0
+
+
+def original_destination(transport) -> tuple[str, int]:
+    """Transparent mode: where the sandbox dialled before the switch steered it here
+    (mitmproxy's SO_ORIGINAL_DST reader, the one its transparent mode uses)."""
+    from mitmproxy import platform
+    if platform.original_addr is None:
+        raise RuntimeError("transparent mode is not supported on this platform")
+    return platform.original_addr(transport.get_extra_info("socket"))

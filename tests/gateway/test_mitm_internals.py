@@ -52,3 +52,32 @@ def test_http1_trailers_still_unsupported_upstream_and_our_refusal_is_installed(
     assert "HTTP trailers are not implemented yet" in Path(_http1.__file__).read_text()
     mitm_internals.install_trailer_refusal()
     assert mitm_internals.trailer_refusal_installed()
+
+
+# -- the fast path's reach (egress/fastpath/) ------------------------------------------
+def test_hand_over_follows_mitmproxys_own_accept_path():
+    """hand_over repeats AsyncioServerInstance.handle_stream's steps: when mitmproxy changes
+    how an accepted stream becomes a ProxyConnectionHandler, this fails."""
+    from mitmproxy.proxy import mode_servers
+    src = inspect.getsource(mode_servers.ServerInstance.handle_stream)
+    assert "ProxyConnectionHandler(" in src and "register_connection" in src and "original_addr" in src
+    assert list(inspect.signature(mode_servers.ServerInstance.handle_stream).parameters) == ["self", "reader", "writer"]
+    assert list(inspect.signature(mode_servers.ServerInstance.make).parameters) == ["mode", "manager"]
+    assert "register_connection" in dir(proxyserver.Proxyserver)
+
+
+def test_parsers_the_fast_path_borrows_still_answer_the_same():
+    head = mitm_internals.read_request_head([b"CONNECT Api.Example.test:443 HTTP/1.1\r\n",
+                                             b"Proxy-Authorization: Basic eDp5\r\n"])
+    assert (head.method, head.host, head.port) == ("CONNECT", "Api.Example.test", 443)
+    assert head.headers.get_all("proxy-authorization") == ["Basic eDp5"]
+    assert mitm_internals.starts_like_tls(b"\x16\x03\x01\x02\x00") and not mitm_internals.starts_like_tls(b"GET ")
+    from tests.gateway.test_fastpath_units import client_hello
+    hello = client_hello("sni.example.test")
+    assert mitm_internals.parse_client_hello(hello).sni == "sni.example.test"
+    assert mitm_internals.parse_client_hello(hello[:20]) is None   # incomplete
+
+
+def test_original_destination_reader_exists():
+    from mitmproxy import platform
+    assert platform.original_addr is not None and callable(platform.original_addr)

@@ -1,0 +1,69 @@
+"""A destination, decided: host parsed and normalised once, SSRF guard, policy, guarded resolve.
+
+Shared by the mitmproxy gate and the fast path. No upstream I/O but DNS.
+"""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+from egress import netguard
+from egress.conn_state import ConnState
+from egress.http_checks import Refusal
+from egress.policy import Decision, RequestInfo, normalize_host
+
+AGENT_HOST = "cubegate.internal"   # served by the gateway itself to each sandbox (cubegate/agent_endpoint.py)
+
+
+@dataclass
+class Verdict:
+    decision: Decision | None
+    refusal: Refusal | None
+    addresses: tuple[tuple[int, str], ...] = ()   # allowed (family, ip) to connect to, when resolved
+
+
+async def decide_destination(st: ConnState, raw_host: str, port: int, *, policies, guard: netguard.AddressGuard,
+                             resolver: netguard.GuardedResolver, scheme, method, path) -> Verdict:
+    """Sets st.host/st.port/st.ip_literal; the caller reads the verdict. `policies.current` is the
+    policy in force (egress.policy.effective: admin policies + grants + the sandbox's network options)."""
+    literal = netguard.parse_ip_literal(raw_host)
+    if literal is not None:
+        reason = guard.check(literal, port)
+        if reason is not None:
+            return Verdict(None, Refusal(403, f"ssrf_{reason}", f"destination {literal} is {reason}"))
+        host = str(literal)
+    else:
+        try:
+            host = normalize_host(raw_host)
+        except ValueError as e:
+            return Verdict(None, Refusal(400, "invalid_host", str(e)))
+    st.ip_literal = literal is not None
+    if host == AGENT_HOST:
+        return Verdict(None, Refusal(403, "agent_endpoint_plain_http_only",
+                                     f"{AGENT_HOST} is the gateway itself: plain HTTP on port 80 only"))
+    identity = st.identity
+    decision = policies.current.decide(RequestInfo(
+        sandbox_id=identity.sandbox_id, labels=identity.labels, host=host, port=port,
+        scheme=scheme, method=method, path=path, is_ip_literal=literal is not None,
+    ))
+    st.host, st.port = host, port
+    if decision.action != "allow":
+        return Verdict(decision, None)
+    if literal is not None:
+        family = socket.AF_INET if literal.version == 4 else socket.AF_INET6
+        return Verdict(decision, None, ((family, host),))
+    # Resolve now so a name pointing at a private address gets a clear 403 instead of a
+    # dead tunnel. Whoever connects uses guarded addresses only (these, or the gate's
+    # guarded getaddrinfo), so a rebinding answer cannot slip through in between.
+    try:
+        addresses = await resolver.resolve(host, port)
+    except netguard.DestinationBlocked as e:
+        return Verdict(decision, Refusal(403, f"ssrf_{e.reason}", str(e)))
+    except netguard.DestinationUnresolvable as e:
+        return Verdict(decision, Refusal(502, "unresolvable", str(e)))
+    return Verdict(decision, None, tuple(addresses))
+
+
+def needs_interception(decision: Decision, credentials, host: str, port: int) -> bool:
+    """The one predicate for 'this flow must be decrypted': method/path rules or a credential binding."""
+    return decision.needs_inspection or credentials.needs_interception(decision.tenant, host, port)

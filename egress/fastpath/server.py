@@ -1,0 +1,523 @@
+"""The fast path's connections: accept, read the first bytes, decide, then relay or hand over.
+
+Explicit mode:   CONNECT head (bounded: max_header_bytes, header_timeout) → identity →
+                 connection claim → destination (policy, SSRF guard, guarded resolve) →
+                 403/407/429 here, or 200 → ClientHello (bounded) → SNI check →
+                 connect upstream (connect_timeout) → relay.
+Transparent:     source → sandbox, steered port, ClientHello → SNI = destination → the same.
+Handed over to mitmproxy (the bytes already read replayed; the gate decides and audits
+everything again, this path writes nothing for such a connection): flows that need
+interception (egress.destination.needs_interception), ports other than 443, plain
+HTTP, heads this path does not parse, and — transparent only — non-TLS bytes on 443.
+
+Audit: the records of a connection this path finishes are the gate's records (egress.records):
+a decision before the outcome (refused if it cannot be written), connection_closed at the end.
+Fail closed: an exception refuses the connection (reset) and audits it, never relays it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+from egress import mitm_internals, netguard, records
+from egress.conn_state import ConnState
+from egress.destination import decide_destination, needs_interception
+from egress.fastpath import heads
+from egress.fastpath.listeners import listen_sockets
+from egress.fastpath.relay import Relay
+from egress.http_checks import Refusal
+from egress.policy import normalize_host
+from egress.revocation import OpenConnection
+
+log = logging.getLogger("cubegate.fastpath")
+
+TLS_PORTS = frozenset({443})
+PLAIN_HTTP_PORTS = frozenset({80})
+FORCED_CLOSE_GRACE = 2.0
+
+
+class FastPath:
+    def __init__(self, *, gate, master, listen_host: str, explicit_port: int | None,
+                 transparent_port: int | None, idle_timeout: float | None) -> None:
+        self.gate = gate            # the shared pieces: policies, identities, guard, resolver, audit, metrics, claims
+        self.master = master        # for the hand-over
+        self.listen_host = listen_host
+        self.explicit_port = explicit_port
+        self.transparent_port = transparent_port
+        self.idle_timeout = idle_timeout
+        self.servers: list[asyncio.base_events.Server] = []
+        self.specs: dict[bool, str] = {}           # transparent? → the mitmproxy mode of the hand-over
+        self.conns: set[_Conn] = set()
+        self.handed_over: set[asyncio.Task] = set()
+        self.outcomes = gate.metrics.fast_path
+
+    # ------------------------------------------------------------------ listen
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for transparent, port in ((False, self.explicit_port), (True, self.transparent_port)):
+            if port is None:
+                continue
+            for sock in listen_sockets(self.listen_host, port):
+                bound = sock.getsockname()[1]
+                kind = "transparent" if transparent else "regular"
+                self.specs.setdefault(transparent, f"{kind}@{self.listen_host}:{bound}")
+                self.servers.append(await loop.create_server(
+                    lambda t=transparent: _Conn(self, t), sock=sock, backlog=4096))
+
+    def listeners_bound(self) -> tuple[bool, str]:
+        if not self.servers:
+            return False, "no listeners configured"
+        down = [s for s in self.servers if not s.is_serving()]
+        if down:
+            return False, f"{len(down)} fast-path listener(s) not serving"
+        return True, ", ".join(f"{a[0]}:{a[1]}" for s in self.servers for a in (x.getsockname() for x in s.sockets))
+
+    def listen_addrs(self) -> list[tuple]:
+        return [sock.getsockname() for s in self.servers for sock in s.sockets]
+
+    async def close_listeners(self) -> None:
+        for s in self.servers:
+            s.close()
+        self.servers = []
+
+    async def drain(self, seconds: float) -> dict:
+        """SIGTERM: stop accepting; open connections may finish within `seconds`, then are closed."""
+        await self.close_listeners()
+        started = time.monotonic()
+        stats = {"fast_at_start": len(self.conns), "fast_forced": 0}
+        deadline = started + max(0.0, seconds)
+        while self.conns and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for c in list(self.conns):
+            c.close_now()
+            stats["fast_forced"] += 1
+        grace = time.monotonic() + FORCED_CLOSE_GRACE
+        while self.conns and time.monotonic() < grace:
+            await asyncio.sleep(0.05)
+        stats["fast_left"] = len(self.conns)
+        return stats
+
+    # --------------------------------------------------------------- helpers
+    def _audit(self, event: str, st: ConnState, **fields) -> bool:
+        return records.append(self.gate.audit, self.gate.metrics, records.audit_record(event, st, **fields))
+
+    def _count(self, st: ConnState, action: str, reason: str, stage: str) -> None:
+        self.gate.metrics.decisions.labels(st.sandbox, action, reason, stage).inc()
+
+    def _refuse(self, c: "_Conn", reason: str, *, stage: str, status: int | None = None,
+                response: bytes | None = None, **fields) -> None:
+        """The deny sequence: state, audit record, metric, then a response (explicit) or a reset."""
+        st = c.st
+        st.kind, st.denied_reason = "denied", reason
+        self._audit("decision", st, decision="deny", reason=reason, status=status, **fields)
+        self._count(st, "deny", reason, stage)
+        self.outcomes.labels("refused").inc()
+        c.finish(response)
+
+    def _refuse_http(self, c: "_Conn", refusal: Refusal, *, stage: str, extra_headers=None, **fields) -> None:
+        self._refuse(c, refusal.reason, stage=stage, status=refusal.status,
+                     response=heads.refusal_response(refusal.status, refusal.reason, refusal.detail, extra_headers),
+                     **fields)
+
+    def _hand_over(self, c: "_Conn") -> None:
+        """mitmproxy takes the connection from here; the gate decides and audits it."""
+        if c.lost:
+            return                       # gone already: its connection_closed record is ours
+        coro = mitm_internals.hand_over(self.master, self.specs[c.transparent], c.transport, bytes(c.buf), c.eof)
+        self.gate.claims.release(c.st)
+        c.handed = True
+        self.outcomes.labels("handed_over").inc()
+        task = asyncio.get_running_loop().create_task(coro)
+        self.handed_over.add(task)
+        task.add_done_callback(self.handed_over.discard)
+
+    # ----------------------------------------------------------------- serve
+    async def serve(self, c: "_Conn") -> None:
+        try:
+            if c.transparent:
+                await self._transparent(c)
+            else:
+                await self._explicit(c)
+        except Exception as e:   # fail closed: refused and audited, never relayed
+            log.exception("fast path: refusing connection %s after an internal error", c.st.conn_id)
+            c.handed = False
+            if c.finished_deciding:
+                c.st.kind, c.st.denied_reason = "denied", "internal_error"
+            else:
+                self._refuse(c, "internal_error", stage="connect", extra={"error": type(e).__name__})
+            c.abort()
+        finally:
+            if c.handed:
+                self._forget(c, audit=False)
+            else:
+                if c.relay is not None:
+                    await c.relay.done
+                else:
+                    c.finish(None)       # every path has answered by now; this only makes sure
+                self._forget(c, audit=True)
+
+    def _register(self, c: "_Conn") -> None:
+        """From its allowed decision on, the connection is revocable: a policy change that now
+        denies it closes it (PolicyGate.revoke_where audits policy_revoked, then calls c.revoke)."""
+        st = c.st
+        self.gate.register_connection(OpenConnection(st.conn_id, st.identity.sandbox_id, st.host, st.port,
+                                                     labels=st.identity.labels, ip_literal=st.ip_literal,
+                                                     kind="passthrough"), c.revoke)
+
+    def _forget(self, c: "_Conn", *, audit: bool) -> None:
+        self.conns.discard(c)
+        self.gate.unregister_connection(c.st.conn_id)
+        self.gate.metrics.active_connections.dec()
+        st = c.st
+        if c.timer is not None:
+            c.timer.cancel()
+        if not audit:
+            return
+        self.gate.claims.release(st)
+        duration = time.monotonic() - st.started
+        m = self.gate.metrics
+        m.bytes.labels(st.sandbox, "out").inc(st.bytes_out)
+        m.bytes.labels(st.sandbox, "in").inc(st.bytes_in)
+        m.connection_duration.labels(st.kind).observe(duration)
+        self._audit("connection_closed", st, **records.closed_fields(st, duration))
+
+    async def _head(self, c: "_Conn", enough) -> bool:
+        """Wait until `enough(buf)` or EOF; False (handled: timeout recorded, or the peer left)."""
+        ok = await c.fill(enough, self.gate.header_timeout)
+        if ok:
+            return True
+        if c.timed_out:
+            st = c.st
+            st.kind, st.denied_reason = "denied", "header_timeout"   # in the connection_closed record
+            self._count(st, "deny", "header_timeout", "connect")
+            c.finish(None)
+        return False
+
+    # ---------------------------------------------------------------- explicit
+    async def _explicit(self, c: "_Conn") -> None:
+        gate, st = self.gate, c.st
+        limit = gate.max_header_bytes
+        if not await self._head(c, lambda b: heads.head_end(b) >= 0 or len(b) > limit):
+            if c.eof and not c.lost:
+                if c.buf:
+                    self._hand_over(c)   # a head cut by EOF: mitmproxy answers it as it always did
+                else:
+                    c.finish(None)
+            return
+        end = heads.head_end(c.buf)
+        connect = heads.parse_connect(bytes(c.buf[:end])) if end >= 0 else None
+        if connect is None:
+            self._hand_over(c)           # plain HTTP, or a head we do not parse: the gate decides
+            return
+        t0 = time.perf_counter()
+        ident = gate.identities.authenticate_header(connect.proxy_authorization)
+        if ident is None:
+            reason = "proxy_auth_invalid" if connect.has_proxy_authorization else "proxy_auth_missing"
+            self._refuse_http(c, Refusal(407, reason, "send Proxy-Authorization: Basic base64(sandbox_id:token)"),
+                              stage="connect", extra_headers={"Proxy-Authenticate": 'Basic realm="cubegate"'},
+                              method="CONNECT", extra={"target": f"{connect.host}:{connect.port}"})
+            return
+        st.identity = ident
+        if not gate.claims.claim(st, ident):
+            self._refuse_http(c, Refusal(429, "sandbox_connection_limit",
+                                         f"sandbox already holds {gate.max_connections_per_sandbox} connections"),
+                              stage="connect", method="CONNECT")
+            return
+        verdict = await decide_destination(st, connect.host, connect.port, policies=gate.policies, guard=gate.guard,
+                                           resolver=gate.resolver, scheme=None, method=None, path=None)
+        decision, refusal = verdict.decision, verdict.refusal
+        gate.metrics.decision_latency.labels("connect").observe(time.perf_counter() - t0)
+        if c.lost:
+            return
+        if refusal is None and decision.action != "allow":
+            refusal = Refusal(403, decision.reason, records.explain(decision))
+        if refusal is not None:
+            fields = records.decision_fields(decision) if decision else {}
+            fields.update(decision="deny", reason=refusal.reason, status=refusal.status)
+            st.kind, st.denied_reason = "denied", refusal.reason
+            self._audit("decision", st, method="CONNECT", **fields)
+            self._count(st, "deny", refusal.reason, "connect")
+            self.outcomes.labels("refused").inc()
+            c.finish(heads.refusal_response(refusal.status, refusal.reason, refusal.detail, st=st, decision=decision))
+            return
+        if st.port not in TLS_PORTS or needs_interception(decision, gate.credentials, st.host, st.port):
+            self._hand_over(c)           # the CONNECT is replayed: the gate re-decides and audits it
+            return
+        st.decision = decision
+        c.finished_deciding = True
+        if not self._audit("decision", st, method="CONNECT", status=200, extra={"intercept": False},
+                           **records.decision_fields(decision)):
+            st.kind, st.denied_reason = "denied", "audit_unavailable"
+            c.finish(heads.refusal_response(503, "audit_unavailable", "audit log not writable"))
+            return
+        st.tunnel = True
+        self._register(c)
+        self._count(st, decision.action, decision.reason, "connect")
+        del c.buf[:end]
+        c.transport.write(heads.ESTABLISHED)
+        hello = await self._hello(c)
+        if hello is None:
+            return
+        if hello.state != "tls":
+            self._protocol_refusal(c, hello)
+            return
+        st.sni = hello.sni
+        if hello.sni:
+            try:
+                sni_host = normalize_host(hello.sni)
+            except ValueError as e:
+                self._refuse(c, "invalid_sni", stage="sni", status=403, extra={"detail": str(e)[:200]})
+                return
+            if sni_host != st.host:
+                self._refuse(c, "sni_mismatch", stage="sni", status=403)
+                return
+        await self._pass_through(c, verdict.addresses)
+
+    async def _hello(self, c: "_Conn") -> heads.Hello | None:
+        """The first bytes of a TLS connection, complete (bounded by max_header_bytes and header_timeout)."""
+        limit = max(self.gate.max_header_bytes, 16 * 1024 + 5)
+        state: list[heads.Hello] = []
+
+        def enough(buf) -> bool:
+            h = heads.read_hello(bytes(buf), c.eof)
+            if h.state != "incomplete" or len(buf) > limit:
+                state.append(h)
+                return True
+            return False
+
+        if not await self._head(c, enough):
+            if c.eof and not c.lost:
+                c.finish(None)           # the sandbox hung up before its ClientHello
+            return None
+        h = state[-1] if state else heads.read_hello(bytes(c.buf), True)
+        return heads.Hello("invalid") if h.state == "incomplete" else h
+
+    def _protocol_refusal(self, c: "_Conn", hello: heads.Hello) -> None:
+        if hello.state == "invalid":
+            self._refuse(c, "invalid_client_hello", stage="protocol")
+        elif hello.looks_like_http:
+            self._refuse(c, "plaintext_on_tls_port", stage="protocol")
+        else:
+            self._refuse(c, "non_tls_on_tls_port", stage="protocol")
+
+    # ------------------------------------------------------------- transparent
+    async def _transparent(self, c: "_Conn") -> None:
+        gate, st = self.gate, c.st
+        st.transparent = True
+        ident = gate.sandbox_lookup.lookup_by_ip(c.peer[0]) if gate.sandbox_lookup else None
+        if ident is None:
+            self._refuse(c, "unknown_source", stage="connect")
+            return
+        st.identity = ident
+        # The destination comes from the SNI; the original destination IP is never trusted.
+        # Only connections the switch steered (80/443) are served (see the gate's client_connected).
+        st.conn_port = st.port = mitm_internals.original_destination(c.transport)[1]
+        if st.port not in TLS_PORTS | PLAIN_HTTP_PORTS:
+            self._refuse(c, "not_steered", stage="connect")
+            return
+        if st.port in PLAIN_HTTP_PORTS:
+            self._hand_over(c)           # plain HTTP: the gate decides each request
+            return
+        if not gate.claims.claim(st, ident):
+            self._refuse(c, "sandbox_connection_limit", stage="connect")
+            return
+        hello = await self._hello(c)
+        if hello is None:
+            return
+        if hello.state != "tls":
+            self._hand_over(c)           # non-TLS bytes on 443: the gate refuses them as it always did
+            return
+        st.sni = hello.sni
+        if not hello.sni:
+            self._refuse(c, "sni_missing", stage="sni", status=403)
+            return
+        verdict = await decide_destination(st, hello.sni, st.port, policies=gate.policies, guard=gate.guard,
+                                           resolver=gate.resolver, scheme=None, method=None, path=None)
+        decision, refusal = verdict.decision, verdict.refusal
+        if c.lost:
+            return
+        if refusal is None and decision.action != "allow":
+            refusal = Refusal(403, decision.reason, records.explain(decision))
+        if refusal is not None:
+            st.decision = decision
+            self._refuse(c, refusal.reason, stage="sni", status=refusal.status)
+            return
+        if needs_interception(decision, gate.credentials, st.host, st.port):
+            self._hand_over(c)
+            return
+        st.decision = decision
+        c.finished_deciding = True
+        if not self._audit("decision", st, extra={"intercept": False}, **records.decision_fields(decision)):
+            st.kind, st.denied_reason = "denied", "audit_unavailable"
+            c.finish(None)
+            return
+        st.tunnel = True
+        self._register(c)
+        await self._pass_through(c, verdict.addresses)
+
+    # ------------------------------------------------------------ passthrough
+    async def _pass_through(self, c: "_Conn", addresses) -> None:
+        """Connect to the guarded addresses (never a name resolved again: no rebinding window), relay."""
+        gate, st = self.gate, c.st
+        st.kind = "passthrough"
+        c.timer_cancel()
+        loop = asyncio.get_running_loop()
+        relay = Relay(c.transport, c.count_out, c.count_in, self.idle_timeout)
+        error, timed_out = "no allowed address", False
+        deadline = loop.time() + gate.connect_timeout if gate.connect_timeout else None
+        transport = None
+        for _family, ip in addresses:
+            try:
+                remaining = None if deadline is None else max(0.001, deadline - loop.time())
+                transport, _ = await asyncio.wait_for(
+                    loop.create_connection(relay.upstream_protocol, ip, st.port), remaining)
+                break
+            except (asyncio.TimeoutError, TimeoutError):
+                timed_out, error = True, f"no TCP connection within {gate.connect_timeout}s"
+                break
+            except OSError as e:
+                error = (e.strerror or type(e).__name__)[:300]
+            if c.lost:
+                break
+        if transport is None:
+            reason = "upstream_connect_timeout" if timed_out else "upstream_connect_failed"
+            st.denied_reason = st.denied_reason or reason
+            self._audit("decision", st, decision="deny", reason=reason, extra={"error": error})
+            self._count(st, "deny", reason, "upstream")
+            c.finish(None)
+            return
+        peer = transport.get_extra_info("peername")
+        st.upstream = f"{peer[0]}:{peer[1]}"
+        blocked = gate.guard.check(peer[0], peer[1])
+        if blocked is not None or c.lost or c.transport.is_closing():   # closing: revoked while connecting
+            transport.abort()
+            if blocked is not None:   # should be impossible (the resolver filtered it); close rather than trust
+                st.kind, st.denied_reason = "denied", f"ssrf_{blocked}"
+                self._audit("decision", st, decision="deny", reason=f"ssrf_{blocked}", upstream=st.upstream)
+            c.finish(None)
+            return
+        first = bytes(c.buf)
+        c.buf.clear()
+        c.relay = relay
+        relay.client.eof_pending = c.eof
+        self.outcomes.labels("relayed").inc()
+        relay.start(first)
+
+
+class _Conn(asyncio.Protocol):
+    """A connection's first bytes, collected (bounded) until the fast path has what it needs."""
+
+    def __init__(self, fp: FastPath, transparent: bool) -> None:
+        self.fp = fp
+        self.transparent = transparent
+        self.buf = bytearray()
+        self.eof = self.lost = self.timed_out = False
+        self.handed = False
+        self.finished_deciding = False
+        self.relay: Relay | None = None
+        self.timer = None
+        self._waiter: asyncio.Future | None = None
+        self.task: asyncio.Task | None = None
+        self.transport = None
+        self.st: ConnState | None = None
+        self.peer = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.peer = transport.get_extra_info("peername") or ("?", 0)
+        self.st = ConnState(conn_id=str(uuid.uuid4()), client=f"{self.peer[0]}:{self.peer[1]}",
+                            started=time.monotonic(), transparent=self.transparent)
+        self.fp.conns.add(self)
+        self.fp.gate.metrics.active_connections.inc()
+        self.task = asyncio.get_running_loop().create_task(self.fp.serve(self))   # held: tasks are weakly referenced
+
+    def data_received(self, data: bytes) -> None:
+        self.st.bytes_out += len(data)
+        self.buf += data
+        if len(self.buf) > self.fp.gate.max_header_bytes + 16 * 1024 + 5:
+            self.transport.pause_reading()   # bounded: nothing more is read before the decision
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._wake()
+        return True   # keep our write half open: a refusal may still be sent
+
+    def connection_lost(self, exc) -> None:
+        self.lost = True
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _time_out(self) -> None:
+        self.timer = None
+        self.timed_out = True
+        self._wake()
+
+    def timer_cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    async def fill(self, enough, timeout: float | None) -> bool:
+        """Wait until enough(buf), EOF, loss or timeout; True only for enough(buf)."""
+        loop = asyncio.get_running_loop()
+        self.timer_cancel()
+        self.timed_out = False
+        if timeout:
+            self.timer = loop.call_later(timeout, self._time_out)
+        try:
+            while True:
+                if self.buf and enough(self.buf):
+                    return True
+                if self.eof or self.lost or self.timed_out:
+                    return False   # enough() has seen the EOF already (a ClientHello cut short is "invalid")
+                self._waiter = loop.create_future()
+                await self._waiter
+        finally:
+            self._waiter = None
+            self.timer_cancel()
+
+    # byte counters of the relay
+    def count_out(self, n: int) -> None:
+        self.st.bytes_out += n
+
+    def count_in(self, n: int) -> None:
+        self.st.bytes_in += n
+
+    def finish(self, response: bytes | None) -> None:
+        """Send `response` (if any) and close; without one, reset (the gate's _kill_client)."""
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        if response:
+            t.write(response)
+        if t.get_write_buffer_size():
+            t.close()
+        else:
+            t.abort()
+
+    def revoke(self, reason: str) -> None:
+        """The policy now denies this connection: reset it (its connection_closed record says why)."""
+        st = self.st
+        st.kind, st.denied_reason = "denied", reason
+        self.fp._count(st, "deny", reason, "revoke")
+        self.abort()
+
+    def abort(self) -> None:
+        if self.relay is not None:
+            self.relay.abort()
+        elif self.transport is not None and not self.transport.is_closing():
+            self.transport.abort()
+
+    def close_now(self) -> None:
+        """Drain's deadline: a relay is flushed and closed, a connection still deciding is reset."""
+        if self.relay is not None:
+            self.relay.close()
+        else:
+            self.abort()

@@ -1,0 +1,83 @@
+"""The shapes both data paths write: audit records, refusal pages, connection-closed fields.
+
+One definition, so a refusal from the fast path and from the mitmproxy gate read
+the same to the sandbox (status, X-Cubegate-Reason, body) and in the audit log.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any
+
+from egress.audit.log import AuditWriteError
+from egress.audit.record import now_ts
+from egress.conn_state import ConnState
+from egress.destination import AGENT_HOST
+from egress.policy import Decision
+
+log = logging.getLogger("cubegate.gate")
+
+ACCESS_HINT = (f"GET http://{AGENT_HOST}/v1/denials lists your recent denials; POST http://{AGENT_HOST}"
+               "/v1/access-requests with {\"host\", \"port\", \"reason\"} asks a person for access")
+
+
+def audit_record(event: str, st: ConnState | None, **fields: Any) -> dict[str, Any]:
+    rec: dict[str, Any] = {"id": uuid.uuid4().hex, "ts": now_ts(), "event": event}
+    if st is not None:
+        rec.update(conn_id=st.conn_id, client=st.client, sandbox=st.identity.sandbox_id if st.identity else None,
+                   host=st.host, port=st.port, sni=st.sni)
+    rec.update({k: v for k, v in fields.items() if v is not None})
+    return rec
+
+
+def decision_fields(d: Decision) -> dict[str, Any]:
+    return dict(decision=d.action, reason=d.reason, rule=d.rule, policy=d.policy, mode=d.mode,
+                would_deny=d.would_deny or None)
+
+
+def closed_fields(st: ConnState, duration: float) -> dict[str, Any]:
+    """The connection_closed record's fields (besides the connection's own)."""
+    if st.kind == "denied":
+        decision = "deny"
+    else:
+        decision = st.decision.action if st.decision else None
+    return dict(bytes_in=st.bytes_in, bytes_out=st.bytes_out, duration_ms=round(duration * 1000, 3),
+                upstream=st.upstream, decision=decision,
+                reason=st.denied_reason or (st.decision.reason if st.decision else None),
+                extra={"kind": st.kind, "requests": st.requests})
+
+
+def explain(d: Decision) -> str:
+    parts = [f"policy {d.policy}" if d.policy else "no policy"]
+    if d.rule:
+        parts.append(f"rule {d.rule}")
+    return ", ".join(parts)
+
+
+def deny_body(status: int, reason: str, detail: str, *, st: ConnState | None = None,
+              decision: Decision | None = None) -> bytes:
+    """Every refusal's body: a short JSON document an agent can read (what was refused, by
+    which rule of which policy, and where to ask for access)."""
+    body = {"error": "refused_by_cubegate", "reason": reason, "detail": detail,
+            "host": st.host if st is not None else None, "port": st.port if st is not None else None,
+            "rule": decision.rule if decision is not None else None,
+            "policy": decision.policy if decision is not None else None}
+    if status == 403:
+        body["ask_for_access"] = ACCESS_HINT
+    return (json.dumps(body) + "\n").encode()
+
+
+def deny_headers(reason: str) -> dict[str, str]:
+    return {"Content-Type": "application/json", "X-Cubegate-Reason": reason, "Connection": "close"}
+
+
+def append(audit, metrics, rec: dict[str, Any]) -> bool:
+    """Append one record; False (counted, logged) when the log cannot take it: the caller refuses."""
+    try:
+        audit.append(rec)
+        return True
+    except (AuditWriteError, OSError, ValueError) as e:
+        metrics.audit_errors.inc()
+        log.error("audit append failed, refusing flow: %s", e)
+        return False
