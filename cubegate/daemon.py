@@ -1,8 +1,16 @@
-"""The daemon: wires policy, identity, audit, metrics, guard and mitmproxy together.
+"""The daemon: the control plane in this process, the data plane in `proxy.workers` processes.
 
-Start order is chosen so the listeners only bind once everything they need
-is in place; /readyz says so explicitly. Stop order: listeners first
-(`servers.update([])`, or the ports stay bound), then the master.
+Here: policy (files + the policy API's store), vault and its admin API, access
+requests and cubegate.internal's answers, the sandbox runtime and its API, the
+E2B API, sandbox DNS, netwatch, the audit index, /healthz /readyz /metrics.
+In each worker (cubegate/worker.py, cubegate/dataplane.py): the fast path,
+mitmproxy and the gate, on listening sockets this process binds and shares
+(cubegate/worker_pool.py). Every process opens the same state dir; the audit log
+takes one append per record under its flock from all of them.
+
+Start order is chosen so the workers only start once everything they need is in
+place; /readyz says so explicitly (every worker must be ready). Stop: the admin
+and ops listeners, then the workers drain (their listeners close first).
 """
 from __future__ import annotations
 
@@ -16,19 +24,16 @@ from egress import netguard
 from egress.audit.index import AuditIndex
 from egress.audit.log import AuditLog
 from egress.audit.record import now_ts
-from egress.engine import build_master, listeners_bound
-from egress.bodies import BodyLimits
-from egress.gate import PolicyGate
-from egress.identity import IdentityStore
-from egress.metrics import GatewayMetrics
+from egress.identity import Identity, IdentityStore
+from egress.metrics import GatewayMetrics, render_with_workers
 from egress.mitm_ca import ca_paths, ensure_ca
 from egress.ops_server import Readiness, start_ops_server
 from egress.policy.live import LivePolicies
 from egress.policy.reload import PolicyStore
 from egress.policy.repo import PolicyRepo
-from egress.revocation import denied_by
 
 import vault as vaultlib
+from cubegate.dataplane import build_guard, open_vault, vault_ready
 from cubegate.settings import Settings
 from cubegate.supervise import Supervisor
 
@@ -40,12 +45,10 @@ class Daemon:
         self.settings = settings
         self.metrics = GatewayMetrics()
         self.readiness = Readiness()
-        self.master = None
-        self.fast_path = None            # egress/fastpath: our listeners in front of mitmproxy (proxy.fast_path)
+        self.workers = None              # cubegate/worker_pool.py: the data plane's processes
         self.ops_server = None
         self._stop = asyncio.Event()
         self.supervisor = Supervisor()   # every long-running task: a dead one turns /readyz 503
-        self._master_task: asyncio.Task | None = None
         self._uninstall_resolver = None
 
     # ------------------------------------------------------------------ start
@@ -58,45 +61,23 @@ class Daemon:
         # Files + the policy API's versioned store; an API policy replaces a file policy of the same name.
         self.policy_repo = PolicyRepo(s.policy_db)
         self.policies = LivePolicies(PolicyStore(s.policy_dir), self.policy_repo)
-        from cubegate.denials import DenialRing, TappedAudit
+        from cubegate.denials import DenialRing
         self.denials = DenialRing(per_sandbox=s.access.denials_kept_per_sandbox)
-        self.audit = TappedAudit(AuditLog(s.audit_dir, max_bytes=s.audit.max_bytes, keep_files=s.audit.keep_files,
-                                          retention_days=s.audit.retention_days, fsync=s.audit.fsync),
-                                 self.denials.observe)   # each sandbox's recent denials, for cubegate.internal
-        self.audit_index = AuditIndex(Path(s.state_dir) / "audit-index.db", s.audit_dir)
+        self.audit = AuditLog(s.audit_dir, max_bytes=s.audit.max_bytes, keep_files=s.audit.keep_files,
+                              retention_days=s.audit.retention_days, fsync=s.audit.fsync)
+        # Each sandbox's recent denials (cubegate.internal), read from the log every process appends to.
+        self.audit_index = AuditIndex(Path(s.state_dir) / "audit-index.db", s.audit_dir,
+                                      on_record=self.denials.observe)
         self.identities = IdentityStore(s.identity_db)
-        own = {(s.proxy.listen_host, s.proxy.explicit_port), (s.ops.listen_host, s.ops.port),
-               ("127.0.0.1", s.vault.api_port), ("127.0.0.1", s.policy_api.port)}
-        if s.proxy.transparent_port:
-            own.add((s.proxy.listen_host, s.proxy.transparent_port))
-        if s.dns.listen_host:
-            own.add((s.dns.listen_host, s.dns.port))  # the sandbox resolver: never an upstream
-        if any(getattr(netguard.parse_ip_literal(h), "is_unspecified", False) for h, _ in own):
-            # A wildcard listener is reachable on every local address (e.g. the cubevs gateway ip).
-            # (in a thread: pyroute2 runs its own event loop)
-            own = netguard.expand_wildcard_endpoints(own, await asyncio.to_thread(netguard.local_addresses))
-        self.guard = netguard.AddressGuard(allow_cidrs=s.upstream.allow_cidrs,
-                                           extra_deny_cidrs=s.upstream.deny_cidrs, own_endpoints=own)
-        self.resolver = netguard.GuardedResolver(self.guard, nameservers=list(s.upstream.nameservers))
+        self.guard, self.resolver = await build_guard(s)   # the sandbox resolver resolves through it
         self._uninstall_resolver = netguard.install(asyncio.get_running_loop(), self.resolver)
         ensure_ca(s.ca_dir)
         self._open_vault()
         self._start_access()
-        self.gate = PolicyGate(
-            policies=self.policies, identities=self.identities, guard=self.guard, resolver=self.resolver,
-            audit=self.audit, metrics=self.metrics, credentials=self._credentials(),
-            sandbox_lookup=self._sandbox_lookup(),
-            max_header_count=s.proxy.max_header_count, max_header_bytes=s.proxy.max_header_bytes,
-            header_timeout=s.proxy.header_timeout, upstream_timeout=s.proxy.upstream_timeout,
-            connect_timeout=s.proxy.connect_timeout,
-            max_connections_per_sandbox=s.proxy.max_connections_per_sandbox,
-            body_limits=BodyLimits(max_body_bytes=s.proxy.max_body_bytes,
-                                   inspect_buffer_bytes=s.proxy.inspect_buffer_bytes,
-                                   max_buffered_bytes_per_sandbox=s.proxy.max_buffered_bytes_per_sandbox),
-            agent_endpoint=self.agent_endpoint,
-        )
-        # A change (API, grant, expiry, file) closes open connections the new policy denies.
-        self.policies.on_change(self._revoke_on_change)
+        self.sandbox_lookup = self._sandbox_lookup()
+        # A change (API, grant, expiry, file, network options) reaches every worker at once; each
+        # takes it in one swap and closes its open connections the new policy denies.
+        self.policies.on_change(self._policy_changed)
         from cubegate import runtime_service  # sandboxes + their API (runtime.enabled); creates the switch
         self._runtime = await runtime_service.start_for(self)   # before DNS: the switch adds the hub address
         from cubegate.e2b import service as e2b_service  # the E2B-compatible API on the runtime (e2b.enabled)
@@ -105,17 +86,9 @@ class Daemon:
         self._dns = await sandbox_dns.start_for(self)
         from cubegate import netwatch  # switch counters on /metrics, drop events to audit (transparent mode)
         self._netwatch = await netwatch.start_for(self)
-        self.master = build_master(
-            gate=self.gate, listen_host=s.proxy.listen_host, explicit_port=s.proxy.explicit_port,
-            transparent_port=s.proxy.transparent_port, confdir=str(s.ca_dir),
-            upstream_ca_bundle=s.upstream.ca_bundle, idle_timeout=s.proxy.idle_timeout,
-            own_listeners=not s.proxy.fast_path,
-        )
-        if s.proxy.fast_path:
-            from egress.fastpath.server import FastPath
-            self.fast_path = FastPath(gate=self.gate, master=self.master, listen_host=s.proxy.listen_host,
-                                      explicit_port=s.proxy.explicit_port, transparent_port=s.proxy.transparent_port,
-                                      idle_timeout=s.proxy.idle_timeout)
+        from cubegate.worker_pool import WorkerPool
+        self.workers = WorkerPool(s, count=s.proxy.worker_count, key_env=self._key_env,
+                                  registry=self.metrics.registry, answer_agent=self._answer_agent)
         self._add_readiness_checks()
         self.vault_api = None
         self._start_vault_api()
@@ -127,9 +100,12 @@ class Daemon:
             tokens = AdminTokens(s.admin_token_file, self.vault.tokens if self.vault is not None else None)
             self.policy_api = policy_api.serve(self.policies, self.access, tokens, port=s.policy_api.port,
                                                audit_hook=self._admin_audit)
-        self.ops_server = start_ops_server(s.ops.listen_host, s.ops.port, self.readiness, self.metrics.render)
+        self.ops_server = start_ops_server(
+            s.ops.listen_host, s.ops.port, self.readiness,
+            lambda: render_with_workers(self.metrics.registry, str(self.workers.metrics_dir)))
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, self.reload_policy)
+        loop.add_signal_handler(signal.SIGUSR2, self.rolling_restart)
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
         sup = self.supervisor
@@ -142,50 +118,37 @@ class Daemon:
             sup.watch("netwatch", self._netwatch.task)
         if self._dns is not None:
             sup.start("sandbox-dns", self._dns.serve())
-        self._master_task = sup.start("mitmproxy", self._run_master())   # run() stops the daemon when it ends
-        if self.fast_path is not None:
-            await self.fast_path.start()    # binds with a 4096 backlog itself
-            self._backlog = None
-        else:
-            from egress.engine import widen_listen_backlog  # bursts of connects must not be dropped
-            self._backlog = sup.start("listen-backlog", widen_listen_backlog(self.master), forever=False)
-
-    async def _run_master(self) -> None:
-        try:
-            await self.master.run()
-        except SystemExit as e:  # mitmproxy's errorcheck: an ERROR was logged during startup
-            # (an exception, not SystemExit, so the daemon stops in order instead of the loop dying)
-            raise RuntimeError(f"mitmproxy exited ({e.code}): an error was logged during startup") from None
+        await self.workers.start()
 
     def _open_vault(self):
         """Open and unseal the vault if one exists. Without a vault file no host is bound."""
-        s = self.settings
-        self.vault = None
-        # The key sources leave our environment at once: child processes (sandboxes, qemu) must never inherit them.
-        key_env = {k: os.environ.pop(k) for k in vaultlib.KEY_ENV_VARS if k in os.environ}
-        if not s.vault_db.exists():
-            log.info("no vault at %s: credential injection disabled", s.vault_db)
-            return
-        from egress.credentials import host_policy_check_for
-        self.vault = vaultlib.Vault.open(s.vault_db, host_policy_check=host_policy_check_for(lambda: self.policies.current))
-        try:
-            source = vaultlib.unseal_from(self.vault, s.vault_key_file, environ=key_env)
-            log.info("vault %s unsealed (key from %s)", s.vault_db, source)
-        except vaultlib.NoKeySource as e:
-            log.warning("vault %s stays sealed: %s; bound requests get 503 until it is unsealed", s.vault_db, e)
-        except vaultlib.VaultError as e:
-            log.error("vault stays sealed: %s", e)
+        # The key sources leave our environment at once: child processes (sandboxes, qemu) must never
+        # inherit them; the workers get them over their link (cubegate/workerlink.py).
+        self._key_env = {k: os.environ.pop(k) for k in vaultlib.KEY_ENV_VARS if k in os.environ}
+        self.vault = open_vault(self.settings, self._key_env, self.policies)
 
-    def _revoke_on_change(self, old, new) -> None:
-        """On the event loop (the runtime API changes network options from its worker threads)."""
+    def _policy_changed(self, old, new) -> None:
+        """Tell every worker (the runtime API changes network options from its worker threads)."""
         try:
             here = asyncio.get_running_loop()
         except RuntimeError:
             here = None
+        if self.workers is None:
+            return
         if here is self._loop:
-            self.gate.revoke_where(denied_by(new))
+            self.workers.broadcast({"t": "policy"})
         else:
-            self._loop.call_soon_threadsafe(lambda: self.gate.revoke_where(denied_by(self.policies.current)))
+            self._loop.call_soon_threadsafe(self.workers.broadcast, {"t": "policy"})
+
+    async def _answer_agent(self, sandbox: str, labels: dict, method: str, path: str, body: bytes):
+        """cubegate.internal, asked by a worker for the sandbox it identified."""
+        if path.split("?", 1)[0].rstrip("/") == "/v1/denials":
+            await asyncio.to_thread(self.audit_index.sync)   # the denial it just wrote is in the log
+        return self.agent_endpoint.answer(Identity(sandbox, labels), method, path, body)
+
+    def rolling_restart(self) -> None:
+        """SIGUSR2: every worker replaced in turn, the new one ready before the old one drains."""
+        self.supervisor.start("rolling-restart", self.workers.rolling_restart(), forever=False)
 
     def _start_access(self) -> None:
         """Access requests (cubegate.internal) and their webhook."""
@@ -213,14 +176,6 @@ class Daemon:
             except Exception:   # keep sweeping; a grant that could not be removed is tried again
                 log.exception("grant expiry sweep failed")
 
-    def _credentials(self):
-        if self.vault is None:
-            return None
-        from egress.credentials import VaultCredentials
-        # Leaks are denied in the request's own audit record (reason credential_leak),
-        # logged as ALERT and counted in cubegate_credential_leaks_blocked_total.
-        return VaultCredentials(self.vault, metrics=self.metrics, scrub_bodies=self.settings.vault.scrub_response_bodies)
-
     def _start_vault_api(self) -> None:
         if self.vault is None:
             return
@@ -247,28 +202,20 @@ class Daemon:
                                                  if self.policies.last_error else "")))
         self.readiness.add("ca", lambda: (all(p.exists() for p in ca_paths(self.settings.ca_dir)),
                                           str(ca_paths(self.settings.ca_dir)[1])))
-        self.readiness.add("listeners", self._listeners_ready)
+        self.readiness.add("workers", lambda: self.workers.readiness())   # listeners bound + ready, each
         self.readiness.add("vault", self._vault_ready)
         self.readiness.add("audit", lambda: (self.audit.writable(), str(self.settings.audit_dir)))
         self.readiness.add("tasks", self.supervisor.check)
 
-    def _listeners_ready(self) -> tuple[bool, str]:
-        if self.fast_path is not None:
-            return self.fast_path.listeners_bound()
-        bound, detail = listeners_bound(self.master)
-        backlog = getattr(self, "_backlog", None)
-        if bound and (backlog is None or not backlog.done()):
-            return False, f"{detail}; accept backlog not widened yet (a burst of connects would be dropped)"
-        return bound, detail
-
     def _vault_ready(self) -> tuple[bool, str]:
-        if self.vault is None:
-            return True, "no vault configured (no credential bindings)"
-        return (not self.vault.sealed), ("unsealed" if not self.vault.sealed else "sealed: bound requests get 503")
+        return vault_ready(self.vault)
 
     def reload_policy(self) -> None:
-        """SIGHUP: reload now; an invalid file keeps the old policy in force (PolicyStore logs why)."""
+        """SIGHUP: reload now, here and in every worker; an invalid file keeps the old policy in
+        force (PolicyStore logs why)."""
         self._count_reload(self.policies.reload())
+        if self.workers is not None:
+            self.workers.signal_all(signal.SIGHUP)
 
     def _count_reload(self, result) -> None:
         if result is not None:
@@ -296,26 +243,23 @@ class Daemon:
         log.info("cubegate gateway: explicit proxy on %s:%s, ops on %s:%s",
                  self.settings.proxy.listen_host, self.settings.proxy.explicit_port,
                  self.settings.ops.listen_host, self.settings.ops.port)
-        stop_task = asyncio.create_task(self._stop.wait())
-        await asyncio.wait({self._master_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-        stop_task.cancel()
-        failed = self._master_task.done() and not self._master_task.cancelled() \
-            and self._master_task.exception() is not None
+        await self._stop.wait()
         await self.stop()
-        return 1 if failed or self.supervisor.dead else 0
+        return 1 if self.supervisor.dead else 0
 
     async def stop(self) -> None:
         self.supervisor.begin_stop()
-        if self.master is not None:
-            # Graceful drain (egress/drain.py): all listeners closed first so a new
-            # gateway can bind, in-flight flows finish up to proxy.drain_seconds.
-            from egress.drain import drain
-            seconds = self.settings.proxy.drain_seconds
-            fast = self.fast_path.drain(seconds) if self.fast_path is not None else asyncio.sleep(0)
-            await asyncio.gather(fast, drain(self.master, seconds,
-                                             close_first=(self.ops_server, getattr(self, "vault_api", None),
-                                                          getattr(self, "policy_api", None))))
-            self.master.shutdown()
+        if self.workers is not None:
+            # Graceful drain (egress/drain.py, in each worker): the admin listeners and every
+            # proxy listener closed first so a new gateway can bind, in-flight flows finish
+            # up to proxy.drain_seconds.
+            for server in (self.ops_server, getattr(self, "vault_api", None), getattr(self, "policy_api", None)):
+                if server is not None:
+                    try:
+                        server.stop()
+                    except Exception as e:  # a side listener must not block the drain
+                        log.warning("stopping %r failed: %s", server, e)
+            await self.workers.stop(self.settings.proxy.drain_seconds)
         if self.ops_server is not None:
             self.ops_server.stop()
         if getattr(self, "vault_api", None) is not None:

@@ -337,10 +337,10 @@ async def start_for(daemon) -> SandboxDns | None:
     s = daemon.settings.dns
     if not s.listen_host:
         return None
-    srv = SandboxDns(lookup=getattr(daemon.gate, "sandbox_lookup", None), policies=daemon.policies,
+    srv = SandboxDns(lookup=getattr(daemon, "sandbox_lookup", None), policies=daemon.policies,
                      resolver=daemon.resolver, audit=daemon.audit, audit_interval=s.audit_interval_seconds,
                      max_new_names=s.max_new_names_per_minute, metrics_registry=daemon.metrics.registry,
-                     agent_addr=s.listen_host if getattr(daemon.gate, "agent_endpoint", None) else None)
+                     agent_addr=s.listen_host if getattr(daemon, "agent_endpoint", None) else None)
     await srv.start(s.listen_host, s.port)
     return srv
 

@@ -155,6 +155,15 @@ class ProxySettings(_Section):
     max_buffered_bytes_per_sandbox: _count(0, 64 * GiB) = 16 * MiB  # all of one sandbox's buffered bodies
     fast_path: Bool = True                      # our listeners decide and relay what needs no interception;
                                                 # false: mitmproxy alone (the fallback)
+    workers: _count(1, 256) | None = None       # data-plane processes (fast path + mitmproxy + gate), each on
+                                                # every proxy port; None: the CPUs available to the daemon
+                                                # (1 with fast_path off: mitmproxy's listeners cannot share a port)
+
+    @property
+    def worker_count(self) -> int:
+        if self.workers is not None:
+            return self.workers
+        return len(os.sched_getaffinity(0)) if self.fast_path else 1
 
 
 class OpsSettings(_Section):
@@ -346,6 +355,9 @@ def _cross_checks(s: Settings) -> list[tuple[tuple, str]]:
             out.append((("e2b", "templates", tid, "backend"), f"{t.backend!r} is not in runtime.backends"))
     if len(set(rt.backends)) != len(rt.backends):
         out.append((("runtime", "backends"), "lists a backend twice"))
+    if (s.proxy.workers or 1) > 1 and not s.proxy.fast_path:
+        out.append((("proxy", "workers"), "more than one worker needs proxy.fast_path (mitmproxy alone cannot "
+                                          "share its listening ports)"))
     return out
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import json
 import logging
 import time
@@ -90,6 +91,7 @@ class AgentEndpoint(Protocol):
     max_body: int
 
     def answer(self, identity: Identity, method: str, path: str, body: bytes) -> tuple[int, dict]: ...
+    # (or an awaitable of it: a worker process asks the daemon, cubegate/worker.py)
 
 
 class SandboxLookup(Protocol):
@@ -734,13 +736,14 @@ class PolicyGate:
         flow.request.stream = False
         flow.metadata["cubegate_agent"] = True
 
-    def _agent_answer(self, flow: http.HTTPFlow) -> None:
+    async def _agent_answer(self, flow: http.HTTPFlow) -> None:
         st = self.conns.get(flow.client_conn.id)
         if st is None or st.identity is None:
             flow.response = self._deny_response(403, "connection_denied", "connection was refused")
             return
-        status, doc = self.agent_endpoint.answer(st.identity, flow.request.method, flow.request.path,
-                                                 flow.request.raw_content or b"")
+        answer = self.agent_endpoint.answer(st.identity, flow.request.method, flow.request.path,
+                                            flow.request.raw_content or b"")
+        status, doc = await answer if inspect.isawaitable(answer) else answer   # a worker asks the daemon
         self._audit("request", st, scheme="http", method=flow.request.method, path=_path_only(flow.request.path),
                     decision="allow" if status < 400 else "deny", reason="agent_endpoint", status=status)
         flow.response = http.Response.make(status, (json.dumps(doc) + "\n").encode(), {
@@ -749,7 +752,7 @@ class PolicyGate:
     async def request(self, flow: http.HTTPFlow) -> None:
         """A held request body is complete: check it before anything goes upstream."""
         if flow.metadata.pop("cubegate_agent", None) and flow.response is None:
-            self._agent_answer(flow)
+            await self._agent_answer(flow)
             return
         if flow.response is not None or flow.request.method == "CONNECT":
             return

@@ -1,5 +1,9 @@
 """Prometheus metrics of the gateway, in a registry of its own.
 
+Worker processes (cubegate/worker.py) run with PROMETHEUS_MULTIPROC_DIR set, so their
+values live in files; the daemon's /metrics is its own registry plus every worker's
+values, summed per series (render_with_workers).
+
 Label values are ids, reasons and actions only: never hosts' secrets, never
 header values. Sandbox ids are bounded by the identity store.
 """
@@ -30,7 +34,8 @@ class GatewayMetrics:
             "cubegate_bytes_total", "Bytes relayed", ["sandbox", "direction"], registry=r
         )
         self.active_connections = Gauge(
-            "cubegate_active_connections", "Open client connections", registry=r
+            "cubegate_active_connections", "Open client connections", registry=r,
+            multiprocess_mode="livesum",   # workers: the sum over the live ones
         )
         self.audit_errors = Counter(
             "cubegate_audit_write_errors_total", "Audit appends that failed (flow refused)", registry=r
@@ -53,3 +58,40 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def render_with_workers(registry: CollectorRegistry, multiproc_dir: str | None) -> bytes:
+    """`registry` (the daemon's own) and the workers' values from `multiproc_dir`, one family
+    per name, samples with the same name and labels summed (a `_created` keeps the earliest)."""
+    if multiproc_dir is None:
+        return generate_latest(registry)
+    from prometheus_client import multiprocess
+    from prometheus_client.metrics_core import Metric
+    workers = CollectorRegistry()
+    multiprocess.MultiProcessCollector(workers, path=multiproc_dir)
+    families: dict[str, Metric] = {}
+    values: dict[str, dict[tuple, list]] = {}
+    for reg in (registry, workers):
+        for fam in reg.collect():
+            if fam.name not in families:
+                families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                values[fam.name] = {}
+            merged = values[fam.name]
+            for sample in fam.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                if key not in merged:
+                    merged[key] = [sample.name, dict(sample.labels), sample.value]
+                elif sample.name.endswith("_created"):
+                    merged[key][2] = min(merged[key][2], sample.value)
+                else:
+                    merged[key][2] += sample.value
+    for name, fam in families.items():
+        for sname, labels, value in values[name].values():
+            fam.add_sample(sname, labels, value)
+
+    class _Merged:
+        def collect(self):
+            return list(families.values())
+    out = CollectorRegistry(auto_describe=False)
+    out.register(_Merged())
+    return generate_latest(out)

@@ -55,8 +55,11 @@ CREATE TABLE IF NOT EXISTS files (
 
 
 class AuditIndex:
-    def __init__(self, db_path: str | os.PathLike, log_dir: str | os.PathLike) -> None:
+    def __init__(self, db_path: str | os.PathLike, log_dir: str | os.PathLike, *, on_record=None) -> None:
+        """on_record(rec): shown every record as it is read from the log (every process's appends:
+        the daemon's view of what its worker processes wrote)."""
         self.db_path = Path(db_path)
+        self.on_record = on_record
         self.log_dir = Path(log_dir)
         self.bad_lines = 0  # garbage lines skipped by sync() since this object was made
         self._lock = threading.Lock()
@@ -181,6 +184,8 @@ class AuditIndex:
                 self.bad_lines += 1
             else:
                 rows.append(_row(rec, line))
+                if self.on_record is not None:
+                    self.on_record(rec)
             if len(rows) >= _BATCH:
                 inserted += self._commit(rows, key, name, pos)
                 rows, committed = [], pos

@@ -54,12 +54,15 @@ class FastPath:
         self.outcomes = gate.metrics.fast_path
 
     # ------------------------------------------------------------------ listen
-    async def start(self) -> None:
+    async def start(self, sockets: dict[bool, list] | None = None) -> None:
+        """Listen. `sockets` (transparent? → bound listening sockets): ones the daemon made and
+        shares between its worker processes (SO_REUSEPORT); None: bind our own."""
         loop = asyncio.get_running_loop()
         for transparent, port in ((False, self.explicit_port), (True, self.transparent_port)):
             if port is None:
                 continue
-            for sock in listen_sockets(self.listen_host, port):
+            socks = sockets[transparent] if sockets is not None else listen_sockets(self.listen_host, port)
+            for sock in socks:
                 bound = sock.getsockname()[1]
                 kind = "transparent" if transparent else "regular"
                 self.specs.setdefault(transparent, f"{kind}@{self.listen_host}:{bound}")

@@ -60,6 +60,7 @@ class LivePolicies:
                           for n, v in repo.current("network").items()}
         self._base_key = None
         self._base: CompiledPolicySet | None = None
+        self._head = repo.head()             # the store's last change this set was built from
         self._current = self._build(self._api, self._grants, self._networks)   # raises PolicyError: fail closed
         files.on_change(self._files_changed)
 
@@ -94,6 +95,29 @@ class LivePolicies:
         if res.ok and self._conflict is not None:
             return ReloadResult(False, self._conflict, self.digest, False)
         return res
+
+    def refresh(self, *, settle: bool = False) -> bool:
+        """Follow changes another process made (the daemon's policy API, runtime, grant expiry
+        write the store; a worker process reads it): files first, then the store, each taken
+        whole in one swap. True when the store's change was swapped in."""
+        self.check_for_changes(settle=settle)
+        with self._lock:
+            head = self.repo.head()
+            if head == self._head:
+                return False
+            try:
+                api = {name: parse_policy_document(json.dumps(v.doc), _source("policy", name), name=name)
+                       for name, v in self.repo.current("policy").items()}
+                grants = {n: parse_grant(n, v.doc) for n, v in self.repo.current("grant").items()}
+                networks = {n: parse_network(v.doc, source=_source("network", n))
+                            for n, v in self.repo.current("network").items()}
+                new = self._build(api, grants, networks)
+            except PolicyError as e:   # the writer checked it; if it does not build here, keep the old set
+                log.error("policy store change %s not taken, keeping the old set: %s", head, e)
+                return False
+            self._api, self._grants, self._networks, self._head = api, grants, networks, head
+            self._swap(new)
+            return True
 
     def _files_changed(self, old_files, new_files) -> None:
         with self._lock:
@@ -145,6 +169,7 @@ class LivePolicies:
                 maps[kind][name] = parsed
             new = self._build(maps["policy"], maps["grant"], maps["network"])
             version = self.repo.commit(kind, name, doc, action=action, actor=actor, note=note)
+            self._head = version.seq
             new.digest = new.base.digest = self._digest(self.files.current, version.seq)
             self._api, self._grants, self._networks = maps["policy"], maps["grant"], maps["network"]
             self._swap(new)

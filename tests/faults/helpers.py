@@ -21,15 +21,42 @@ def eventually(fn, timeout: float = 5.0, interval: float = 0.05):
         time.sleep(interval)
 
 
+def tree_pids(pid: int) -> list[int]:
+    """pid and every process under it: the gateway is the daemon plus its worker processes."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                todo += [int(c) for c in Path(f"/proc/{p}/task/{tid}/children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return out
+
+
 def proc_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+    """Open fds of the process and its children (the daemon and its workers)."""
+    n = 0
+    for p in tree_pids(pid):
+        try:
+            n += len(os.listdir(f"/proc/{p}/fd"))
+        except FileNotFoundError:
+            pass
+    return n
 
 
 def proc_rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
+    """RSS of the process and its children (the daemon and its workers)."""
+    total = 0
+    for p in tree_pids(pid):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except FileNotFoundError:
+            pass
+    return total
 
 
 def proc_nofile(pid: int) -> int:

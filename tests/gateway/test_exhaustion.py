@@ -68,10 +68,11 @@ def _gateway_pid(gw) -> int:
 
 
 def _rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    """The daemon's and its workers' RSS (the data plane runs in the workers)."""
+    from tests.faults.helpers import proc_rss_kib
+    kib = proc_rss_kib(pid)
+    assert kib, "no VmRSS"
+    return kib * 1024
 
 
 class RssWatch:

@@ -61,24 +61,34 @@ def start_gateway(gw: Gateway) -> Gateway:
 
 
 def pin(pid: int, cpus: set[int]) -> None:
-    """Pin every thread of a process (threads made later inherit it)."""
+    """Pin every thread of a process and of its children (the daemon's workers; threads made
+    later inherit it)."""
+    from tests.faults.helpers import tree_pids
     if len(os.sched_getaffinity(0)) < 2:
         return
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except OSError:
-            pass
+    for p in tree_pids(pid):
+        for tid in os.listdir(f"/proc/{p}/task"):
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except OSError:
+                pass
 
 
 def proc_stats(pid: int) -> dict:
-    rss_kb = 0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            rss_kb = int(line.split()[1])
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    cpu_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
-    return {"rss_mb": round(rss_kb / 1024, 1), "fds": len(os.listdir(f"/proc/{pid}/fd")), "cpu_s": round(cpu_s, 2)}
+    """RSS, fds and CPU of the daemon and its workers together."""
+    from tests.faults.helpers import tree_pids
+    rss_kb, fds, cpu_s = 0, 0, 0.0
+    for p in tree_pids(pid):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    rss_kb += int(line.split()[1])
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            cpu_s += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
+            fds += len(os.listdir(f"/proc/{p}/fd"))
+        except FileNotFoundError:
+            pass
+    return {"rss_mb": round(rss_kb / 1024, 1), "fds": fds, "cpu_s": round(cpu_s, 2)}
 
 
 def spec_for(gw: Gateway, lab, *, duration: float, max_requests: int, concurrency: int, run_tag: str,

@@ -1,0 +1,199 @@
+"""One data-plane worker process: `python -m cubegate.worker SLOT LINK_FD EXPLICIT_FDS TRANSPARENT_FDS`.
+
+Started by the daemon (cubegate/worker_pool.py), never by hand. It opens the state
+dir's stores itself (policy store + files, identities, audit log, vault) and runs a
+DataPlane on the listening sockets the daemon passed it (fds, shared with the other
+workers); it follows policy changes on the daemon's word and by polling the store,
+revokes what a change denies, and tells the daemon every STATE_SECONDS whether it is
+ready. cubegate.internal requests go to the daemon (it holds the denials and the
+access store). When the daemon goes away, the worker drains and exits (no orphan
+ever keeps serving). Metrics go to PROMETHEUS_MULTIPROC_DIR (the daemon sums them).
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import logging
+import os
+import signal
+import socket
+import sys
+
+from cubegate.workerlink import STATE_SECONDS, Link
+
+log = logging.getLogger("cubegate.worker")
+
+AGENT_TIMEOUT = 5.0
+AGENT_MAX_PENDING = 256
+
+
+class RemoteAgentEndpoint:
+    """cubegate.internal, answered by the daemon over the link (egress.gate awaits it)."""
+
+    def __init__(self, link: Link) -> None:
+        from cubegate.agent_endpoint import MAX_BODY
+        self.max_body = MAX_BODY
+        self.link = link
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future] = {}
+
+    async def answer(self, identity, method: str, path: str, body: bytes) -> tuple[int, dict]:
+        if len(self._waiting) >= AGENT_MAX_PENDING:
+            return 503, {"error": "busy"}
+        n = next(self._ids)
+        fut = self._waiting[n] = asyncio.get_running_loop().create_future()
+        self.link.send({"t": "agent", "id": n, "sandbox": identity.sandbox_id, "labels": dict(identity.labels),
+                        "method": method, "path": path, "body": base64.b64encode(body).decode()})
+        try:
+            return await asyncio.wait_for(fut, AGENT_TIMEOUT)
+        except (asyncio.TimeoutError, TimeoutError):
+            return 503, {"error": "unavailable"}
+        finally:
+            self._waiting.pop(n, None)
+
+    def deliver(self, msg: dict) -> None:
+        fut = self._waiting.get(msg.get("id"))
+        if fut is not None and not fut.done():
+            fut.set_result((int(msg.get("status", 503)), msg.get("doc") or {}))
+
+
+class Worker:
+    def __init__(self, slot: int, link_fd: int, sockets: dict[bool, list[socket.socket]] | None) -> None:
+        self.slot = slot
+        self.link_fd = link_fd
+        self.sockets = sockets
+        self.stop = asyncio.Event()
+
+    async def run(self) -> int:
+        from cubegate.dataplane import DataPlane, build_guard, open_vault, vault_ready
+        from cubegate.settings import Settings
+        from cubegate.supervise import Supervisor
+        from egress import netguard
+        from egress.audit.log import AuditLog
+        from egress.identity import IdentityStore
+        from egress.metrics import GatewayMetrics
+        from egress.ops_server import Readiness
+        from egress.policy.live import LivePolicies
+        from egress.policy.reload import PolicyStore
+        from egress.policy.repo import PolicyRepo
+
+        loop = asyncio.get_running_loop()
+        self.link = await Link.open(socket.socket(fileno=self.link_fd))
+        hello = await self.link.receive()
+        if not hello or hello.get("t") != "hello":
+            log.error("worker %d: no hello from the daemon", self.slot)
+            return 2
+        s = Settings.model_validate(hello["settings"])
+        keys = hello.get("keys") or {}
+        self.metrics = metrics = GatewayMetrics()
+        self.policies = LivePolicies(PolicyStore(s.policy_dir), PolicyRepo(s.policy_db))
+        self.audit = AuditLog(s.audit_dir, max_bytes=s.audit.max_bytes, keep_files=s.audit.keep_files,
+                              retention_days=s.audit.retention_days, fsync=s.audit.fsync)
+        self.identities = IdentityStore(s.identity_db)
+        guard, resolver = await build_guard(s)
+        uninstall = netguard.install(loop, resolver)
+        self.vault = open_vault(s, keys, self.policies)
+        keys.clear()
+        credentials = None
+        if self.vault is not None:
+            from egress.credentials import VaultCredentials
+            credentials = VaultCredentials(self.vault, metrics=metrics, scrub_bodies=s.vault.scrub_response_bodies)
+        lookup = None
+        if s.proxy.transparent_port:
+            from cubevs.registry import Registry
+            from cubegate.sandbox_lookup import RegistryLookup
+            lookup = RegistryLookup(Registry(s.cubevs_state_dir), self.identities)
+        self.agent = RemoteAgentEndpoint(self.link)
+        self.dataplane = DataPlane(s, policies=self.policies, identities=self.identities, guard=guard,
+                                   resolver=resolver, audit=self.audit, metrics=metrics, credentials=credentials,
+                                   sandbox_lookup=lookup, agent_endpoint=self.agent, sockets=self.sockets)
+        sup = self.supervisor = Supervisor()
+        readiness = self.readiness = Readiness()
+        readiness.add("policy", lambda: (True, f"digest {self.policies.current.digest[:12]}"))
+        readiness.add("listeners", self.dataplane.listeners_ready)
+        readiness.add("vault", lambda: vault_ready(self.vault))
+        readiness.add("audit", lambda: (self.audit.writable(), str(s.audit_dir)))
+        readiness.add("tasks", sup.check)
+        master_task = await self.dataplane.start(sup)
+        sup.start("link", self._read_link())
+        sup.start("state", self._report_state())
+        sup.start("policy-watch", self._policy_watch(s.policy_poll_seconds))
+        loop.add_signal_handler(signal.SIGHUP, self._reload)
+        loop.add_signal_handler(signal.SIGTERM, self.stop.set)
+        loop.add_signal_handler(signal.SIGINT, lambda: None)   # the daemon's ^C: it drains us itself
+        log.info("worker %d (pid %d) serving", self.slot, os.getpid())
+        stop_task = asyncio.create_task(self.stop.wait())
+        await asyncio.wait({master_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        stop_task.cancel()
+        failed = master_task.done() and not master_task.cancelled() and master_task.exception() is not None
+        sup.begin_stop()
+        self._send_state()   # not ready any more: the daemon says so on /readyz at once
+        await self.dataplane.drain(s.proxy.drain_seconds)
+        await sup.stop()
+        uninstall()
+        self.audit.close()
+        return 1 if failed else 0
+
+    # ------------------------------------------------------------------ the link
+    async def _read_link(self) -> None:
+        while True:
+            msg = await self.link.receive()
+            if msg is None:   # the daemon is gone: nobody supervises us, stop serving
+                log.warning("worker %d: the daemon closed the link; draining", self.slot)
+                self.stop.set()
+                return
+            t = msg.get("t")
+            if t == "policy":
+                self._refresh()
+            elif t == "drain":
+                self.stop.set()
+            elif t == "agent_reply":
+                self.agent.deliver(msg)
+
+    def _send_state(self) -> None:
+        ready, checks = self.readiness.evaluate()
+        if self.stop.is_set():
+            ready = False
+            checks["draining"] = {"ok": False, "detail": "worker is draining"}
+        self.link.send({"t": "state", "ready": ready, "checks": checks, "pid": os.getpid()})
+
+    async def _report_state(self) -> None:
+        while True:
+            self._send_state()
+            await asyncio.sleep(STATE_SECONDS)
+
+    # ------------------------------------------------------------------ policy
+    def _refresh(self, settle: bool = False) -> None:
+        try:
+            self.policies.refresh(settle=settle)
+        except Exception:   # keep the old policy in force; the next poll tries again
+            log.exception("worker %d: policy refresh failed", self.slot)
+
+    def _reload(self) -> None:
+        """SIGHUP: the files now (an invalid one keeps the old set), then the store."""
+        res = self.policies.reload()
+        self.metrics.policy_reloads.labels("ok" if res.ok else "error").inc()
+        self._refresh()
+
+    async def _policy_watch(self, interval: float) -> None:
+        """The daemon says when the store changes; this catches anything it could not say."""
+        while True:
+            await asyncio.sleep(interval)
+            self._refresh(settle=True)
+
+
+def _fds(arg: str) -> list[socket.socket]:
+    return [socket.socket(fileno=int(fd)) for fd in arg.split(",") if fd]
+
+
+def main(argv: list[str]) -> int:
+    slot, link_fd, explicit, transparent = int(argv[0]), int(argv[1]), argv[2], argv[3]
+    logging.basicConfig(level=int(os.environ.get("CUBEGATE_WORKER_LOG_LEVEL", logging.INFO)), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s %(name)s[w{slot}]: %(message)s")
+    sockets = None if explicit == "-" else {False: _fds(explicit), True: _fds(transparent)}
+    return asyncio.run(Worker(slot, link_fd, sockets).run())
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
