@@ -180,8 +180,13 @@ class Daemon:
         if self.vault is None:
             return
         from vault.api import serve
-        self.vault_api = serve(self.vault, host="127.0.0.1", port=self.settings.vault.api_port,
-                               audit_hook=self._admin_audit)
+        self.vault_api = serve(_SealFanout(self.vault, self._vault_changed), host="127.0.0.1",
+                               port=self.settings.vault.api_port, audit_hook=self._admin_audit)
+
+    def _vault_changed(self, msg: dict) -> None:
+        """The admin API sealed or unsealed the vault (maybe from an executor thread): every worker too."""
+        if self.workers is not None:
+            self.workers.broadcast_threadsafe(self._loop, msg)
 
     def _admin_audit(self, rec: dict) -> None:
         self.audit.append(_admin_record(rec))
@@ -202,7 +207,7 @@ class Daemon:
                                                  if self.policies.last_error else "")))
         self.readiness.add("ca", lambda: (all(p.exists() for p in ca_paths(self.settings.ca_dir)),
                                           str(ca_paths(self.settings.ca_dir)[1])))
-        self.readiness.add("workers", lambda: self.workers.readiness())   # listeners bound + ready, each
+        self.readiness.add("listeners", lambda: self.workers.readiness())   # every worker bound and ready
         self.readiness.add("vault", self._vault_ready)
         self.readiness.add("audit", lambda: (self.audit.writable(), str(self.settings.audit_dir)))
         self.readiness.add("tasks", self.supervisor.check)
@@ -243,9 +248,22 @@ class Daemon:
         log.info("cubegate gateway: explicit proxy on %s:%s, ops on %s:%s",
                  self.settings.proxy.listen_host, self.settings.proxy.explicit_port,
                  self.settings.ops.listen_host, self.settings.ops.port)
+        if not await self._started():
+            await self.stop()
+            return 1
         await self._stop.wait()
         await self.stop()
         return 1 if self.supervisor.dead else 0
+
+    async def _started(self) -> bool:
+        """Until every worker is ready: a daemon task that dies meanwhile stops the daemon (a bug
+        at startup must not leave a half-working gateway); False then."""
+        while not self._stop.is_set() and not self.workers.all_ready():
+            if self.supervisor.dead:
+                log.error("daemon task(s) died while the daemon started, stopping: %s", self.supervisor.dead)
+                return False
+            await asyncio.sleep(0.05)
+        return not self.supervisor.dead
 
     async def stop(self) -> None:
         self.supervisor.begin_stop()
@@ -287,6 +305,29 @@ class Daemon:
                 getattr(self, db).close()
         if getattr(self, "_lookup", None) is not None:
             self._lookup.close()
+
+
+class _SealFanout:
+    """The vault as the admin API sees it: a seal or unseal that succeeds here is passed on to
+    every worker process (its own vault object on the same file)."""
+
+    def __init__(self, vault, changed) -> None:
+        self._vault, self._changed = vault, changed
+
+    def seal(self) -> None:
+        self._vault.seal()
+        self._changed({"t": "vault", "op": "seal"})
+
+    def unseal_with_key_file(self, path) -> None:
+        self._vault.unseal_with_key_file(path)
+        self._changed({"t": "vault", "op": "unseal", "key_file": str(path)})
+
+    def unseal_with_passphrase(self, passphrase: str) -> None:
+        self._vault.unseal_with_passphrase(passphrase)
+        self._changed({"t": "vault", "op": "unseal", "passphrase": passphrase})
+
+    def __getattr__(self, name):
+        return getattr(self._vault, name)
 
 
 def _raise_nofile_limit() -> None:

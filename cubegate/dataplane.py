@@ -10,10 +10,6 @@ import asyncio
 import logging
 
 from egress import netguard
-from egress.bodies import BodyLimits
-from egress.engine import build_master, listeners_bound
-from egress.gate import PolicyGate
-from egress.revocation import denied_by
 
 log = logging.getLogger("cubegate.dataplane")
 
@@ -64,6 +60,11 @@ class DataPlane:
                  sandbox_lookup, agent_endpoint, sockets: dict[bool, list] | None) -> None:
         """sockets: transparent? → listening sockets shared with the other workers (fast path);
         None: mitmproxy binds its own (proxy.fast_path off, one worker)."""
+        # mitmproxy is imported here, in the workers only: the daemon starts without it
+        from egress.bodies import BodyLimits
+        from egress.engine import build_master
+        from egress.gate import PolicyGate
+        from egress.revocation import denied_by
         self.settings = s
         self.gate = PolicyGate(
             policies=policies, identities=identities, guard=guard, resolver=resolver,
@@ -111,6 +112,7 @@ class DataPlane:
             raise RuntimeError(f"mitmproxy exited ({e.code}): an error was logged during startup") from None
 
     def listeners_ready(self) -> tuple[bool, str]:
+        from egress.engine import listeners_bound
         if self.fast_path is not None:
             return self.fast_path.listeners_bound()
         bound, detail = listeners_bound(self.master)

@@ -43,7 +43,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from cubegate.dns_accounting import FULL, LIMITED, AnswerAggregator, Interval, NewNameLimiter
 from egress.audit.record import make_record, now_ts
-from egress.gate import AGENT_HOST
+from egress.destination import AGENT_HOST
 from egress.netguard import DestinationBlocked, DestinationUnresolvable
 
 log = logging.getLogger("cubegate.dns")

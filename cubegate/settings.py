@@ -155,7 +155,7 @@ class ProxySettings(_Section):
     max_buffered_bytes_per_sandbox: _count(0, 64 * GiB) = 16 * MiB  # all of one sandbox's buffered bodies
     fast_path: Bool = True                      # our listeners decide and relay what needs no interception;
                                                 # false: mitmproxy alone (the fallback)
-    workers: _count(1, 256) | None = None       # data-plane processes (fast path + mitmproxy + gate), each on
+    workers: _count(1, 32) | None = None        # data-plane processes (fast path + mitmproxy + gate), each on
                                                 # every proxy port; None: the CPUs available to the daemon
                                                 # (1 with fast_path off: mitmproxy's listeners cannot share a port)
 
@@ -163,7 +163,7 @@ class ProxySettings(_Section):
     def worker_count(self) -> int:
         if self.workers is not None:
             return self.workers
-        return len(os.sched_getaffinity(0)) if self.fast_path else 1
+        return min(32, len(os.sched_getaffinity(0))) if self.fast_path else 1
 
 
 class OpsSettings(_Section):

@@ -108,6 +108,11 @@ class Worker:
         self.dataplane = DataPlane(s, policies=self.policies, identities=self.identities, guard=guard,
                                    resolver=resolver, audit=self.audit, metrics=metrics, credentials=credentials,
                                    sandbox_lookup=lookup, agent_endpoint=self.agent, sockets=self.sockets)
+        claims = hello.get("claims")
+        if claims:   # the per-sandbox connection cap counts every worker's connections
+            from egress.shared_claims import SharedClaims
+            self.dataplane.gate.claims = SharedClaims(claims["path"], s.proxy.max_connections_per_sandbox,
+                                                      int(claims["column"]))
         sup = self.supervisor = Supervisor()
         readiness = self.readiness = Readiness()
         readiness.add("policy", lambda: (True, f"digest {self.policies.current.digest[:12]}"))
@@ -130,6 +135,7 @@ class Worker:
         sup.begin_stop()
         self._send_state()   # not ready any more: the daemon says so on /readyz at once
         await self.dataplane.drain(s.proxy.drain_seconds)
+        log.info("worker %d drained", self.slot)
         await sup.stop()
         uninstall()
         self.audit.close()
@@ -145,11 +151,29 @@ class Worker:
                 return
             t = msg.get("t")
             if t == "policy":
-                self._refresh()
+                self._refresh()   # the store now; files once they settle (never a half-written one)
             elif t == "drain":
                 self.stop.set()
             elif t == "agent_reply":
                 self.agent.deliver(msg)
+            elif t == "vault":
+                await self._vault(msg)
+
+    async def _vault(self, msg: dict) -> None:
+        """The daemon's admin API sealed or unsealed its vault: the same here."""
+        if self.vault is None:
+            return
+        try:
+            if msg.get("op") == "seal":
+                self.vault.seal()
+            elif msg.get("key_file"):
+                await asyncio.to_thread(self.vault.unseal_with_key_file, msg["key_file"])
+            elif msg.get("passphrase"):
+                await asyncio.to_thread(self.vault.unseal_with_passphrase, msg["passphrase"])
+        except Exception as e:   # stays as it was; /readyz says sealed
+            log.error("worker %d: vault %s failed: %s", self.slot, msg.get("op"), type(e).__name__)
+        finally:
+            msg.clear()
 
     def _send_state(self) -> None:
         ready, checks = self.readiness.evaluate()
@@ -164,9 +188,9 @@ class Worker:
             await asyncio.sleep(STATE_SECONDS)
 
     # ------------------------------------------------------------------ policy
-    def _refresh(self, settle: bool = False) -> None:
+    def _refresh(self) -> None:
         try:
-            self.policies.refresh(settle=settle)
+            self.policies.refresh(settle=True)
         except Exception:   # keep the old policy in force; the next poll tries again
             log.exception("worker %d: policy refresh failed", self.slot)
 
@@ -180,19 +204,34 @@ class Worker:
         """The daemon says when the store changes; this catches anything it could not say."""
         while True:
             await asyncio.sleep(interval)
-            self._refresh(settle=True)
+            self._refresh()
 
 
 def _fds(arg: str) -> list[socket.socket]:
     return [socket.socket(fileno=int(fd)) for fd in arg.split(",") if fd]
 
 
+def _die_with_the_daemon() -> None:
+    """SIGKILL when the daemon dies, however it dies (kill -9 included): no orphan worker ever
+    serves on (fail closed), and the ports are released with the daemon's."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != int(os.environ.get("CUBEGATE_DAEMON_PID", "0")):
+        os._exit(3)   # the daemon was gone before we asked
+
+
 def main(argv: list[str]) -> int:
+    _die_with_the_daemon()
     slot, link_fd, explicit, transparent = int(argv[0]), int(argv[1]), argv[2], argv[3]
     logging.basicConfig(level=int(os.environ.get("CUBEGATE_WORKER_LOG_LEVEL", logging.INFO)), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s[w{slot}]: %(message)s")
     sockets = None if explicit == "-" else {False: _fds(explicit), True: _fds(transparent)}
-    return asyncio.run(Worker(slot, link_fd, sockets).run())
+    rc = asyncio.run(Worker(slot, link_fd, sockets).run())
+    # Drained, audit log closed: skip the interpreter's teardown of mitmproxy's object graph
+    # (seconds of CPU under load, in the way of the gateway that replaces us).
+    logging.shutdown()
+    os._exit(rc)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from egress.fastpath.listeners import listen_sockets
+from egress.shared_claims import ClaimsColumns
 from cubegate.workerlink import STALE_SECONDS, Link
 
 log = logging.getLogger("cubegate.workers")
@@ -48,6 +49,7 @@ class WorkerHandle:
     checks: dict = field(default_factory=dict)
     seen: float = 0.0
     retired: bool = False          # draining (replaced or stopping): its exit is expected
+    column: int = -1               # its counters in the shared connection budget (egress/shared_claims.py)
     ready_event: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -62,7 +64,10 @@ class WorkerPool:
         self.count = count
         self._key_env = key_env                    # vault key sources, handed to each worker over its link
         self._answer_agent = answer_agent          # async (sandbox, labels, method, path, body) → (status, doc)
-        self.metrics_dir = Path(settings.state_dir) / "run" / "metrics" / str(os.getpid())
+        run = Path(settings.state_dir) / "run"
+        self.metrics_dir = run / "metrics" / str(os.getpid())
+        self.claims_path = run / f"claims-{os.getpid()}"   # per-sandbox connection budget, all workers
+        self.claims = None
         self.current: dict[int, WorkerHandle] = {}
         self.live: set[WorkerHandle] = set()
         self.sockets: dict[int, dict[bool, list[socket.socket]]] = {}
@@ -79,6 +84,7 @@ class WorkerPool:
     async def start(self) -> None:
         _clean_metrics_dirs(self.metrics_dir.parent)
         self.metrics_dir.mkdir(parents=True, exist_ok=True)
+        self.claims = ClaimsColumns(self.claims_path)
         p = self.settings.proxy
         if p.fast_path:
             ports = {False: p.explicit_port, True: p.transparent_port}
@@ -103,18 +109,23 @@ class WorkerPool:
         return args, [link_fd, *fds[False], *fds[True]]
 
     async def _spawn(self, slot: int) -> WorkerHandle:
+        column = self.claims.take()
         parent, child = socket.socketpair()
         try:
             args, fds = self._spawn_args(slot, child.fileno())
-            env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(self.metrics_dir),
+            env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(self.metrics_dir), CUBEGATE_DAEMON_PID=str(os.getpid()),
                        CUBEGATE_WORKER_LOG_LEVEL=str(logging.getLogger().getEffectiveLevel()))
             proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "cubegate.worker", *args,
                                                         pass_fds=fds, env=env)
+        except BaseException:
+            self.claims.give_back(column)
+            raise
         finally:
             child.close()
         link = await Link.open(parent)
-        h = WorkerHandle(slot, proc, link)
-        link.send({"t": "hello", "settings": self.settings.model_dump(mode="json"), "keys": self._key_env})
+        h = WorkerHandle(slot, proc, link, column=column)
+        link.send({"t": "hello", "settings": self.settings.model_dump(mode="json"), "keys": self._key_env,
+                   "claims": {"path": str(self.claims_path), "column": column}})
         self.live.add(h)
         self._hold(self._read(h))
         self._hold(self._watch(h))
@@ -157,6 +168,7 @@ class WorkerPool:
         h.link.close()
         self.live.discard(h)
         _mark_dead(h.pid, self.metrics_dir)
+        self.claims.give_back(h.column)   # a dead worker's connections are gone: so is their budget
         if h.retired or self.stopping:
             log.info("worker %d (pid %d) exited %s", h.slot, h.pid, rc)
             return
@@ -189,6 +201,9 @@ class WorkerPool:
         pids = ", ".join(str(self.current[s].pid) for s in range(self.count))
         return True, f"{self.count} worker(s) ready (pids {pids})"
 
+    def all_ready(self) -> bool:
+        return all(self._is_ready(self.current.get(slot)) for slot in range(self.count))
+
     def pids(self) -> list[int]:
         return sorted(h.pid for h in self.live)
 
@@ -197,6 +212,9 @@ class WorkerPool:
         """To every live worker, draining ones too (their open connections follow the policy)."""
         for h in list(self.live):
             h.link.send(msg)
+
+    def broadcast_threadsafe(self, loop, msg: dict) -> None:
+        loop.call_soon_threadsafe(self.broadcast, msg)
 
     def signal_all(self, sig: int) -> None:
         for h in list(self.live):
@@ -254,6 +272,9 @@ class WorkerPool:
         for t in list(self._tasks):
             t.cancel()
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        if self.claims is not None:
+            self.claims.close()
+            self.claims_path.unlink(missing_ok=True)
 
 
 def _mark_dead(pid: int, path: Path) -> None:

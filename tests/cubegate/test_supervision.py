@@ -18,7 +18,8 @@ def test_healthy_daemon_lists_its_supervised_tasks(tmp_path):
         return await readyz(d.settings.ops.port, lambda code, body: code == 200)
     code, body = run_daemon(d, scenario)
     detail = body["checks"]["tasks"]["detail"]
-    assert body["checks"]["tasks"]["ok"] and "policy-watch" in detail and "mitmproxy" in detail
+    assert body["checks"]["tasks"]["ok"] and "policy-watch" in detail
+    assert "worker(s) ready" in body["checks"]["listeners"]["detail"]   # mitmproxy runs in the workers
 
 
 def test_dead_task_turns_readyz_503_naming_it(tmp_path, caplog):
@@ -53,6 +54,6 @@ def test_task_dying_at_startup_stops_the_daemon_with_its_traceback(tmp_path, cap
     died = [r for r in caplog.records if "policy-watch" in r.getMessage()]
     assert died and died[0].exc_info is not None and died[0].exc_info[0] is TypeError
     assert "_policy_watch" in caplog.text   # the traceback names the function that died
-    assert d.supervisor.dead.keys() >= {"policy-watch", "mitmproxy"}
+    assert d.supervisor.dead.keys() >= {"policy-watch"}
     with socket.socket() as probe:          # stopped in order: the proxy port is free again
         probe.bind(("127.0.0.1", d.settings.proxy.explicit_port))

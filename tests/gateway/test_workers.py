@@ -34,7 +34,7 @@ HELD = 16      # tunnels held at once: all on one worker of two has odds 2 * 2**
 @pytest.fixture
 def wgw(lab, tmp_path):
     g = Gateway(lab, tmp_path / "wgw", {"main.yaml": MAIN},
-                settings_extra={"proxy": {"workers": 2, "drain_seconds": 3},
+                settings_extra={"proxy": {"workers": 2, "drain_seconds": 3, "max_connections_per_sandbox": HELD},
                                 "policy_poll_seconds": 3600})   # only SIGHUP and the daemon's word
     g.policy_api_port = g.proxy_port + 3
     g.start()
@@ -90,20 +90,24 @@ def _closed(t: Tunnel, timeout: float) -> bool:
         return True
 
 
-def test_both_workers_serve_one_port_and_a_policy_change_revokes_in_each(wgw):
+def test_both_workers_serve_one_port_share_the_cap_and_a_policy_change_revokes_in_each(wgw):
     pids = _workers(wgw)
 
     def go():
         tunnels = _hold_tunnels(wgw, HELD)
         owners = _owners(wgw, pids)
+        s, head = rawclient.connect_tunnel(wgw.proxy_port, "passthrough.allowed.test:443", _auth(wgw))
+        s.close()
+        over = rawclient.connect_status(head)   # the cap counts both workers' connections
         status = _api(wgw, "PUT", "/policies/main", content=_policy("api.allowed.test"))[0]
         t0 = time.monotonic()
         closed = [_closed(t, 3) for t in tunnels]
         for t in tunnels:
             t.sock.close()
-        return owners, status, closed, time.monotonic() - t0
+        return owners, over, status, closed, time.monotonic() - t0
 
-    owners, status, closed, took = wgw.lab.call_gw(go)
+    owners, over, status, closed, took = wgw.lab.call_gw(go)
+    assert over == 429, over
     assert owners == set(pids), f"connections held by {owners}, workers {pids}"
     assert status == 201 and all(closed) and took < 3, (closed, took)
     revoked = eventually(lambda: [r for r in wgw.audit_records()
