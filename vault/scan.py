@@ -18,6 +18,8 @@ gateway), escapes nested deeper than three rounds or longer than
 """
 from __future__ import annotations
 
+import re
+
 from typing import Iterable
 
 import ahocorasick_rs as _ac
@@ -28,6 +30,9 @@ from .forms import (ESCAPE_ROUNDS, MAX_ESCAPE_LEN, MIN_FORM_LEN, REDACTED, ROUND
 MAX_NEEDLE_LEN = 256      # longer forms are matched by their first 256 bytes (bounds the window)
 _SLICE = 256 * 1024       # work on at most this much at once: bounds the match lists
 
+
+_HEX_DIGITS = re.compile(rb"[0-9a-fA-F]+")
+_HEX_LETTER = re.compile(rb"[a-fA-F]")
 
 class LeakFound(Exception):
     """A secret's value or placeholder occurs in the data; names ids only, never values."""
@@ -61,6 +66,15 @@ class Needles:
         self._needles = sorted(owners)
         self._owners = [frozenset(owners[n]) for n in self._needles]
         self._automaton = _ac.BytesAhoCorasick(self._needles) if self._needles else None
+        # Hex decoders accept any case: hex needles are also matched on a case-folded view
+        # (all-lower and all-upper are only two of the 2^n spellings).
+        folded: dict[bytes, set[str]] = {}
+        for needle, ids in owners.items():
+            if len(needle) >= MIN_FORM_LEN and _HEX_DIGITS.fullmatch(needle) and _HEX_LETTER.search(needle):
+                folded.setdefault(needle.lower(), set()).update(ids)
+        self._folded = sorted(folded)
+        self._folded_owners = [frozenset(folded[n]) for n in self._folded]
+        self._folded_automaton = _ac.BytesAhoCorasick(self._folded) if self._folded else None
         self.max_len = max(map(len, self._needles), default=0)
         self.empty = not self._needles
 
@@ -74,6 +88,9 @@ class Needles:
             piece = data[start:start + step + overlap]
             for index, _, _ in self._automaton.find_matches_as_indexes(piece, overlapping=True):
                 found |= self._owners[index]
+            if self._folded_automaton is not None:
+                for index, _, _ in self._folded_automaton.find_matches_as_indexes(piece.lower(), overlapping=True):
+                    found |= self._folded_owners[index]
         return found
 
     def find(self, data: bytes) -> set[str]:
