@@ -780,6 +780,20 @@ class PolicyGate:
         port = st.conn_port or 80
         if hp is not None and hp != port:
             return Refusal(421, "authority_mismatch", f"Host header names port {hp}, the connection is to port {port}")
+        if flow.request.authority:
+            # An absolute-form target would reach the upstream as it is, and servers route by it
+            # (RFC 9112 3.2.2), not by Host: it must name the same host and port, and goes out
+            # in origin form.
+            try:
+                want = _canonical_host(hh)
+            except ValueError as e:
+                return Refusal(400, "invalid_host", str(e))
+            refusal = check_request_authority(want_host=want, want_port=port, scheme=flow.request.scheme,
+                                              authority=flow.request.authority, host_headers=[],
+                                              normalize=_canonical_host)
+            if refusal is not None:
+                return refusal
+            flow.request.authority = ""
         flow.request.data.host = hh   # _destination normalises and SSRF-checks it
         flow.request.data.port = port
         return None
