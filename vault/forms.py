@@ -5,9 +5,12 @@ responses. Base64 is covered at every alignment (the value may sit at any
 offset inside a longer base64 string, e.g. "user:secret" in Basic auth).
 
 `value_forms` lists spellings to look for (and to replace) literally;
-`normalize` is the decoding-only view of some data in which escaped
-spellings (percent, JSON/JS, HTML) show up as the bytes they stand for, so a
-matcher needs no form per escaping scheme.
+`decode_round` decodes one round of escapes (percent, JSON/JS, HTML) of some
+or all families, so escaped spellings show up as the bytes they stand for and
+a matcher needs no form per escaping scheme. `normalize` is one such view
+(all families at once, three rounds); a leak check needs every view
+(`scan.VIEWS`): an escape starter next to a spelled value can make the
+all-at-once decode eat part of it.
 """
 from __future__ import annotations
 
@@ -171,8 +174,9 @@ def decode_round(data: bytes, stop: int | None = None,
 
 
 def normalize(data: bytes) -> bytes:
-    """Decoding-only view for matching: percent, JSON/JS and HTML numeric escapes decoded,
-    up to ESCAPE_ROUNDS times over. Invalid escapes stay; never longer than `data`."""
+    """One decoding-only view: percent, JSON/JS and HTML numeric escapes decoded all at
+    once, up to ESCAPE_ROUNDS times over. Invalid escapes stay; never longer than `data`.
+    Not a leak check by itself: use scan.Needles, which matches every view."""
     data = bytes(data)
     for _ in range(ESCAPE_ROUNDS):
         out, _ = decode_round(data)

@@ -1,12 +1,20 @@
 """Find and scrub secret values in data and in streams, in bounded memory (pure, no I/O).
 
-- `Needles` finds which secrets occur in one buffer, raw or in its normalised
-  view (`forms.normalize`: percent, JSON/JS and HTML escapes decoded, up to
-  three rounds).
+- `Needles` finds which secrets occur in one buffer, raw or in any of its
+  decoded views (`VIEWS`: percent, JSON/JS and HTML escapes decoded one family
+  at a time in every order, and all families at once; up to three rounds each).
 - `StreamLeakScanner` does the same over a stream and releases only the bytes
   that cannot belong to an occurrence not yet seen whole.
 - `StreamScrubber` replaces the one injected secret's forms in a stream and
   refuses (`Unscrubbable`) when a spelling it cannot replace remains.
+
+Why so many views: one decode of every family at once is not what a receiver
+does, and an escape starter placed next to a spelled value ('%' before hex
+digits, '\\u' before them, '&#5' before an escaped '1;', '%25' before '30')
+makes that decode eat part of the value, or miss an escape a receiver that
+undoes one family first would complete. A receiver that undoes up to three
+layers one family at a time (URL-decoding, JSON/JS string decoding, HTML
+unescaping, in any order and repeats) reads exactly one of the views.
 
 A stream is decoded exactly as the whole buffer would be (each escape round
 runs as its own small stream stage), so chunk boundaries change nothing.
@@ -14,7 +22,12 @@ What none of this can catch: data the sandbox (or a colluding upstream)
 encrypts or re-encodes itself — base32, UTF-16, hex with separators, its own
 compression inside a body (HTTP Content-Encoding is decoded before, by the
 gateway), escapes nested deeper than three rounds or longer than
-`forms.MAX_ESCAPE_LEN`, a value sent in pieces across separate bodies.
+`forms.MAX_ESCAPE_LEN`, escapes we do not decode (named HTML entities for
+non-ASCII characters, JSON's \\n \\t, JS octal), layers that mix families
+within one layer *and* have an escape starter next to them *and* take a
+one-family-at-a-time receiver more than three rounds to undo, a decoder of
+the attacker's own making (e.g. one that decodes only every second escape),
+a value sent in pieces across separate bodies.
 """
 from __future__ import annotations
 
@@ -28,6 +41,7 @@ from .forms import (ESCAPE_ROUNDS, FAMILIES, MAX_ESCAPE_LEN, MIN_FORM_LEN, REDAC
 
 MAX_NEEDLE_LEN = 256      # longer forms are matched by their first 256 bytes (bounds the window)
 _BATCH = 4096             # a stream is scanned in steps of at least this much (or at its end)
+_GAP = 256                # windows closer than this are scanned as one (fewer calls, few more bytes)
 _SLICE = 256 * 1024       # work on at most this much at once: bounds the match lists
 
 
@@ -144,7 +158,7 @@ class _Round:
 
     def feed(self, data: bytes, final: bool, max_marks: int) -> tuple[bytes, tuple | None]:
         """(decoded bytes, their changed spans or None for "maybe all"), as decode_round_marked."""
-        window = self.held + data
+        window = self.held + data if self.held else data
         stop = len(window)
         tail = window[-MAX_ESCAPE_LEN:]
         if not final and any(first in tail for first in self._starters):
@@ -172,29 +186,34 @@ class _Matcher:
         self.tail_marks: tuple = ()      # changed spans inside `tail`
 
     def scan(self, data: bytes, marks: tuple | None) -> set[str]:
-        window = self.tail + data
-        base = len(self.tail)
-        keep = self._keep
+        tail, keep, find = self.tail, self._keep, self._needles.find_raw
+        base = len(tail)
+        size = base + len(data)
         if marks is None:
-            spans = ((0, len(window)),)
+            found = find(tail + data)
+            spans: tuple = ((0, size),)
         else:
-            spans = self.tail_marks + tuple((s + base, e + base) for s, e in marks)
-        ranges: list[list[int]] = []
-        for s, e in spans:
-            lo, hi = max(s - keep, 0), min(e + keep, len(window))
-            if hi <= base:
-                continue                 # every occurrence touching it ended in the tail: seen
-            if ranges and lo <= ranges[-1][1]:
-                ranges[-1][1] = max(ranges[-1][1], hi)
-            else:
-                ranges.append([lo, hi])
-        found: set[str] = set()
-        for lo, hi in ranges:
-            found |= self._needles.find_raw(window[lo:hi])
-        cut = max(len(window) - keep, 0)
-        self.tail = window[cut:] if keep else b""
+            found = set()
+            spans = self.tail_marks + (tuple((s + base, e + base) for s, e in marks) if base else marks)
+            lo, hi = 0, -(keep + _GAP + 1)
+            for s, e in spans:                # merged windows of keep bytes around each span
+                if s - keep > hi + _GAP:
+                    if hi > base:
+                        found |= find(self._window(data, lo, hi))
+                    lo = max(s - keep, 0)
+                hi = min(e + keep, size)
+            if hi > base:                     # (a window that ends in the tail was scanned before)
+                found |= find(self._window(data, lo, hi))
+        cut = max(size - keep, 0)
+        self.tail = (tail + data)[cut:] if keep and len(data) < keep else data[cut - base:] if keep else b""
         self.tail_marks = tuple((max(s, cut) - cut, e - cut) for s, e in spans if e > cut) if keep else ()
         return found
+
+    def _window(self, data: bytes, lo: int, hi: int) -> bytes:
+        base = len(self.tail)
+        if lo >= base:
+            return data[lo - base:hi - base]
+        return self.tail[lo:] + data[:hi - base]
 
 
 class _Views:
