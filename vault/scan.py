@@ -126,6 +126,8 @@ VIEWS = _view_paths()
 
 def _decodings(form: bytes) -> set[bytes]:
     """`form` as every view decodes it."""
+    if not any(first in form for first in starters(FAMILIES)):
+        return {form}                     # nothing to decode: the common case
     out: dict[tuple[bytes, ...], bytes] = {(): form}
     for path in VIEWS:
         out[path] = decode_round(out[path[:-1]], families=path[-1])[0]

@@ -19,7 +19,9 @@ What these cannot catch, by design (and so do not test): data the sandbox or a
 colluding upstream encrypts or re-encodes itself — base32, UTF-16, hex with
 separators, its own compression inside a body (Content-Encoding is decoded
 by the gateway before scanning, see egress.body_codec), escapes nested more
-than three deep, a value split across separate requests.
+than three deep, layers mixing families next to an escape starter that take
+more than three one-family rounds to undo, a value split across separate
+requests (see vault.scan).
 """
 from __future__ import annotations
 
