@@ -260,12 +260,13 @@ class _Views:
 class StreamLeakScanner:
     """Leak check over a stream: feed() returns what is safe to forward now.
 
-    Raises LeakFound as soon as a needle occurs in the bytes seen so far, raw
-    or in any view (see `VIEWS`), before any byte of that occurrence was
-    returned. Small feeds are gathered into steps of _BATCH bytes (the views cost
-    per step, not per byte). After a LeakFound every further call raises it
-    again. Memory: the held tail (`hold` bytes), a few hundred bytes per view,
-    plus the chunk being fed.
+    Small feeds are gathered into steps of _BATCH bytes (the views cost per
+    step, not per byte); unscanned bytes are never returned. Raises LeakFound
+    in the step where a needle occurs, raw or in any view (see `VIEWS`), before
+    any byte of that occurrence was returned. After a LeakFound every further
+    call raises it again. Memory: the held tail (`hold` bytes), a few hundred bytes per view,
+    the chunk being fed and, while a step runs, every view of that step (at most
+    len(VIEWS) + 1 times 256 KiB).
     """
 
     def __init__(self, needles: Needles):
