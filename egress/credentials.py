@@ -148,7 +148,7 @@ class VaultCredentials:
         resp.headers.fields = tuple(fields)
         # The value split over several headers, or spelled with escapes, survives a per-header scrub.
         joined = b"".join(n + v for n, v in fields)
-        if injection.occurs_in(vaultlib.normalize(joined)) or injection.occurs_in(b"".join(v for _, v in fields)):
+        if _visible(injection, joined) or _visible(injection, b"".join(v for _, v in fields)):
             return Refusal(502, "response_unscrubbable",
                            "response headers carry the injected credential in a form that cannot be removed")
         return None
@@ -161,7 +161,7 @@ class VaultCredentials:
         kept = []
         for name, value in trailers.fields:
             name, value = injection.scrub(name), injection.scrub(value)
-            if not injection.occurs_in(vaultlib.normalize(name + value)):
+            if not _visible(injection, name + value):
                 kept.append((name, value))
         trailers.fields = tuple(kept)
         return trailers if kept else None
@@ -169,6 +169,11 @@ class VaultCredentials:
     @property
     def scrubs_bodies(self) -> bool:
         return self.scrub_bodies
+
+
+def _visible(injection, data: bytes) -> bool:
+    """The injected value in `data` in any spelling a receiver could undo (every escape view)."""
+    return bool(vaultlib.Needles([("injected", injection.value_forms)]).find(data))
 
 
 def _header_blob(req: http.Request) -> bytes:
