@@ -57,6 +57,8 @@ class Daemon:
         self.identities = IdentityStore(s.identity_db)
         own = {(s.proxy.listen_host, s.proxy.explicit_port), (s.ops.listen_host, s.ops.port),
                ("127.0.0.1", s.vault.api_port)}
+        if s.console.enabled:
+            own.add(("127.0.0.1", s.console.port))
         if s.proxy.transparent_port:
             own.add((s.proxy.listen_host, s.proxy.transparent_port))
         if s.dns.listen_host:
@@ -97,6 +99,8 @@ class Daemon:
         self._add_readiness_checks()
         self.vault_api = None
         self._start_vault_api()
+        from cubegate.console import service as console_service   # the web console (console.enabled)
+        self._console = await console_service.start_for(self)
         self.ops_server = start_ops_server(s.ops.listen_host, s.ops.port, self.readiness, self.metrics.render)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, self.reload_policy)
@@ -109,6 +113,8 @@ class Daemon:
             sup.watch("netwatch", self._netwatch.task)
         if self._dns is not None:
             sup.start("sandbox-dns", self._dns.serve())
+        if self._console is not None:
+            sup.start("console-metrics", self._console.sample_loop())
         from egress.engine import widen_listen_backlog  # bursts of connects must not be dropped
         self._backlog = sup.start("listen-backlog", widen_listen_backlog(self.master), forever=False)
         self._master_task = sup.start("mitmproxy", self._run_master())   # run() stops the daemon when it ends
@@ -235,12 +241,15 @@ class Daemon:
             # gateway can bind, in-flight flows finish up to proxy.drain_seconds.
             from egress.drain import drain
             await drain(self.master, self.settings.proxy.drain_seconds,
-                        close_first=(self.ops_server, getattr(self, "vault_api", None)))
+                        close_first=(self.ops_server, getattr(self, "vault_api", None),
+                                     getattr(getattr(self, "_console", None), "server", None)))
             self.master.shutdown()
         if self.ops_server is not None:
             self.ops_server.stop()
         if getattr(self, "vault_api", None) is not None:
             self.vault_api.stop()
+        from cubegate.console import service as console_service
+        console_service.stop_for(getattr(self, "_console", None))
         await self.supervisor.stop()
         from cubegate import sandbox_dns
         await sandbox_dns.stop_for(getattr(self, "_dns", None))
@@ -278,5 +287,5 @@ def _admin_record(rec: dict) -> dict:
             "reason": rec.get("reason") or rec.get("action"), "status": rec.get("status"),
             "extra": {k: v for k, v in rec.items() if k in
                       ("action", "tenant", "secret_id", "version", "binding_id", "actor", "outcome", "remote",
-                       "sandbox", "program", "exit_code", "path")}}
+                       "sandbox", "program", "exit_code", "path", "token_id", "records")}}
 

@@ -209,6 +209,16 @@ class RuntimeSettings(_Section):
     hub_netns: Annotated[str, Strict(), AfterValidator(_check_netns)] | None = None  # None = the daemon's own
 
 
+class ConsoleSettings(_Section):
+    enabled: Bool = False                       # the web console (cubegate/console/), loopback only
+    port: PortOrZero = 9093
+    idle_timeout: _seconds(le=86400) = 900.0    # a session unused this long ends (polls and streams do not count)
+    max_session: _seconds(le=7 * 86400) = 43200.0   # and every session ends this long after login
+    tls_cert: ExistingFile | None = None        # both set: HTTPS (cookies then Secure, __Host- names)
+    tls_key: ExistingFile | None = None
+    sample_seconds: _seconds(ge=0.2, le=60) = 5.0   # chart sampling of the daemon's metrics (15 minutes kept)
+
+
 class Settings(_Section):
     state_dir: PathStr = "/var/lib/cubegate"
     policy_dir: PathStr = "policies"
@@ -221,6 +231,7 @@ class Settings(_Section):
     cubevs: CubevsSettings = CubevsSettings()
     dns: DnsSettings = DnsSettings()
     runtime: RuntimeSettings = RuntimeSettings()
+    console: ConsoleSettings = ConsoleSettings()
 
     # Derived paths -------------------------------------------------------
     @property
@@ -269,6 +280,10 @@ def _cross_checks(s: Settings) -> list[tuple[tuple, str]]:
         out.append((("runtime", "default_backend"), f"{rt.default_backend!r} is not in runtime.backends"))
     if len(set(rt.backends)) != len(rt.backends):
         out.append((("runtime", "backends"), "lists a backend twice"))
+    c = s.console
+    if (c.tls_cert is None) != (c.tls_key is None):
+        out.append((("console", "tls_cert" if c.tls_cert is None else "tls_key"),
+                    "console TLS needs both tls_cert and tls_key"))
     return out
 
 

@@ -275,7 +275,8 @@ class SandboxManager:
 
     # ------------------------------------------------------------------ use
     def exec(self, sandbox_id: str, argv: list[str], *, timeout: float = 30.0, env: dict | None = None,
-             stdin: bytes = b"", cwd: str = "/workspace") -> ExecResult:
+             stdin: bytes = b"", cwd: str = "/workspace", on_output=None) -> ExecResult:
+        """on_output(stream, chunk): output as it arrives (the exec console streams it)."""
         if not argv or not all(isinstance(a, str) and "\0" not in a for a in argv):
             raise InvalidRequest("argv must be a non-empty list of strings")
         if not 0 < timeout <= 3600:
@@ -289,7 +290,8 @@ class SandboxManager:
                                   stdin)
         validate_env(env)
         try:
-            res = self._backend(rec.backend).exec(rec.handle, argv, timeout=timeout, env=env, stdin=stdin, cwd=cwd)
+            res = self._backend(rec.backend).exec(rec.handle, argv, timeout=timeout, env=env, stdin=stdin, cwd=cwd,
+                                                  **({"on_output": on_output} if on_output is not None else {}))
         except SandboxError:
             self.metrics.execs.labels(rec.backend, "error").inc()
             raise
