@@ -49,6 +49,16 @@ def loopback_host(host_name: str) -> bool:
         return False
 
 
+def security_headers(handler: tornado.web.RequestHandler, csp: str = STRICT_CSP) -> None:
+    handler.set_header("Content-Security-Policy", csp)
+    handler.set_header("X-Content-Type-Options", "nosniff")
+    handler.set_header("X-Frame-Options", "DENY")
+    handler.set_header("Referrer-Policy", "same-origin")   # "no-referrer" makes Chromium send Origin: null
+    handler.set_header("Cross-Origin-Opener-Policy", "same-origin")
+    handler.set_header("Cross-Origin-Resource-Policy", "same-origin")
+    handler.clear_header("Server")
+
+
 class SessionHandler(tornado.web.RequestHandler):
     action = "unknown"          # audit action (one handler = one action: name it fully)
     public = False              # True: no session needed (login page, static assets)
@@ -100,14 +110,8 @@ class SessionHandler(tornado.web.RequestHandler):
         return ("__Host-" if self.tls else "") + self.cookie
 
     def set_default_headers(self) -> None:
-        self.set_header("Content-Security-Policy", self.csp)
+        security_headers(self, self.csp)
         self.set_header("Cache-Control", "no-store")
-        self.set_header("X-Content-Type-Options", "nosniff")
-        self.set_header("X-Frame-Options", "DENY")
-        self.set_header("Referrer-Policy", "same-origin")   # "no-referrer" makes Chromium send Origin: null
-        self.set_header("Cross-Origin-Opener-Policy", "same-origin")
-        self.set_header("Cross-Origin-Resource-Policy", "same-origin")
-        self.clear_header("Server")
 
     def compute_etag(self) -> None:   # nothing here is cacheable (no-store)
         return None
@@ -251,10 +255,7 @@ class PublicStaticHandler(tornado.web.StaticFileHandler):
     """Static assets with the same security headers (no session: they hold nothing private)."""
 
     def set_default_headers(self) -> None:
-        self.set_header("Content-Security-Policy", STRICT_CSP)
-        self.set_header("X-Content-Type-Options", "nosniff")
-        self.set_header("Cross-Origin-Resource-Policy", "same-origin")
-        self.clear_header("Server")
+        security_headers(self)
 
     def prepare(self) -> None:
         if not loopback_host(self.request.host_name) and not self.settings.get("httpkit_any_host"):

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import tornado.web
 
-from httpkit import STRICT_CSP, ApiError, PublicStaticHandler
+from httpkit import ApiError, PublicStaticHandler
+from httpkit.pages import security_headers
 
 from sandbox_runtime.ids import SANDBOX_ID_RE
 from vault.names import _NAME
@@ -30,8 +31,7 @@ class NotFound(ConsoleHandler):
 
 class NoFavicon(tornado.web.RequestHandler):
     def set_default_headers(self) -> None:
-        self.set_header("Content-Security-Policy", STRICT_CSP)
-        self.clear_header("Server")
+        security_headers(self)
 
     def get(self) -> None:
         self.set_status(204)
