@@ -43,13 +43,13 @@
   function drawChart(fig, t, named, unit, fixedMax) {
     let svg = fig.querySelector("svg");
     if (!svg) {
-      svg = svgEl("svg", { viewBox: "0 0 400 150", role: "img", preserveAspectRatio: "none" });
+      svg = svgEl("svg", { viewBox: "0 0 400 110", role: "img", preserveAspectRatio: "none" });
       fig.appendChild(svg);
       fig.appendChild(el("p", { class: "legend" }));
     }
     svg.setAttribute("aria-label", fig.querySelector("figcaption").textContent);
     while (svg.firstChild) svg.removeChild(svg.firstChild);
-    const W = 400, H = 150, L = 4, B = 14, T = 12;
+    const W = 400, H = 110, L = 4, B = 14, T = 12;
     let max = fixedMax || 0;
     for (const values of Object.values(named)) for (const v of values) if (v !== null && v > max) max = v;
     if (!max) max = 1;
@@ -57,21 +57,28 @@
     const top = svgEl("text", { x: L + 2, y: 10 });
     top.textContent = "max " + fmt(max, unit);
     svg.appendChild(top);
+    // the x axis spans what the ring holds: 15 minutes once the daemon has run that long
+    const now = t.length ? t[t.length - 1] : 0;
+    const span = t.length > 1 ? Math.min(900, Math.max(10, now - t[0])) : 900;
     const start = svgEl("text", { x: L + 2, y: H - 2 });
-    start.textContent = "−15 min";
+    start.textContent = span >= 120 ? "−" + Math.round(span / 60) + " min" : "−" + Math.round(span) + " s";
     svg.appendChild(start);
     const end = svgEl("text", { x: W - 24, y: H - 2 });
     end.textContent = "now";
     svg.appendChild(end);
-    const now = t.length ? t[t.length - 1] : 0, span = 900;
     const x = (ts) => L + (W - L) * (1 - Math.min(span, now - ts) / span);
     const y = (v) => H - B - (H - B - T) * (v / max);
     const legend = fig.querySelector(".legend");
     legend.textContent = "";
     Object.entries(named).forEach(([name, values], i) => {
       let pts = [];
-      const flush = () => {
-        if (pts.length) svg.appendChild(svgEl("polyline", { class: "s" + i, points: pts.join(" ") }));
+      const flush = () => {   // a lone point (one start in a minute) is a dot, not an invisible line
+        if (pts.length === 1) {
+          const [cx, cy] = pts[0].split(",");
+          svg.appendChild(svgEl("circle", { class: "s" + i, cx: cx, cy: cy, r: 2.5 }));
+        } else if (pts.length) {
+          svg.appendChild(svgEl("polyline", { class: "s" + i, points: pts.join(" ") }));
+        }
         pts = [];
       };
       values.forEach((v, j) => {
