@@ -6,6 +6,9 @@ backend: what bubblewrap alone costs) and a cold QEMU boot (microvm: what the
 snapshot saves). Results as ratios to the reference.
 
     .venv/bin/python bench/bench_sandbox.py [--backends namespace,microvm] [--conc 1,10,50] [--quick]
+        [--pool N]          keep N network slots ready (runtime.pool_size); each round starts
+                            with a full pool (the refill between rounds is not timed)
+        [--template NAME]   namespace sandboxes on a built template (cubegate template build NAME)
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ def bare_bwrap_ms(n: int = 10) -> float:
 
 
 class Env:
-    def __init__(self, backends: list[str]):
+    def __init__(self, backends: list[str], pool_size: int = 0, template: str | None = None):
         self.tag = "cb" + secrets.token_hex(3)
         self.hub = self.tag + "h"
         self.tmp = Path(tempfile.mkdtemp(prefix=self.tag))
@@ -62,17 +65,26 @@ class Env:
         for b in backends:
             if b == "namespace":
                 from sandbox_runtime.namespace import NamespaceBackend
-                impls[b] = NamespaceBackend(self.tmp / "ns")
+                from sandbox_runtime.templates import TemplateStore
+                cache = os.environ.get("CUBEGATE_TEMPLATE_CACHE", "/var/cache/cubegate/templates")
+                impls[b] = NamespaceBackend(self.tmp / "ns", templates=TemplateStore(cache))
             else:
                 from sandbox_runtime.microvm.backend import MicrovmBackend
                 from sandbox_runtime.microvm.assets import default_assets_dir
                 impls[b] = MicrovmBackend(self.tmp / "vm", default_assets_dir())
         mem = meminfo_mb()["MemTotal"] - 1024
+        from sandbox_runtime.netpool import SlotPool
+        self.pool = SlotPool(self.sw, pool_size).start() if pool_size else None
+        self.template = template
         self.mgr = SandboxManager(switch=self.sw, backends=impls, state=StateStore(self.tmp / "state.sqlite3"),
+                                  pool=self.pool,
                                   # CPU budget not binding here: this measures start, not admission
                                   budget=Budget(memory_mb=mem, cpus=1000.0, max_sandboxes=1000))
 
     def close(self):
+        if self.pool is not None:
+            with suppress(Exception):
+                self.pool.stop()
         for r in self.mgr.list():
             with suppress(Exception):
                 self.mgr.destroy(r["id"])
@@ -97,10 +109,16 @@ def run_level(env: Env, backend: str, conc: int, rounds: int, limits: Limits, de
         ids = [f"b{backend[0]}{conc}-{seq + i}" for i in range(conc)]
         seq += conc
         avail0 = meminfo_mb()["MemAvailable"]
+        if env.pool is not None:            # start each round with a full pool (bounded wait)
+            until = time.monotonic() + 30
+            while env.pool.ready() < env.pool.size and time.monotonic() < until:
+                time.sleep(0.05)
+        template = env.template if backend == "namespace" else None
 
         def one(sid):
             t0 = time.perf_counter()
-            env.mgr.create(CreateRequest(sandbox_id=sid, tenant="bench", backend=backend, limits=limits))
+            env.mgr.create(CreateRequest(sandbox_id=sid, tenant="bench", backend=backend, limits=limits,
+                                         template=template))
             return (time.perf_counter() - t0) * 1000
 
         t0 = time.perf_counter()
@@ -125,6 +143,7 @@ def run_level(env: Env, backend: str, conc: int, rounds: int, limits: Limits, de
         return {"backend": backend, "conc": conc, "n": 0, "failures": failures}
     return {"backend": backend, "conc": conc, "n": len(lat), "failures": failures,
             "p50": pct(lat, 50), "p95": pct(lat, 95), "p99": pct(lat, 99), "wall_s": wall,
+            "starts_per_s": conc / wall if wall else float("nan"),
             "mem_mb": statistics.median(mem_cg) / 2**20 if mem_cg else float("nan"), "host_mb": host_per_sb}
 
 
@@ -133,9 +152,11 @@ def main() -> int:
     ap.add_argument("--backends", default="namespace,microvm")
     ap.add_argument("--conc", default="1,10,50")
     ap.add_argument("--quick", action="store_true", help="namespace: 1,10,50 once; microvm: 1,10")
+    ap.add_argument("--pool", type=int, default=0, help="prepared network slots (runtime.pool_size)")
+    ap.add_argument("--template", default=None, help="namespace sandboxes on this built template")
     a = ap.parse_args()
     backends = [b for b in a.backends.split(",") if b]
-    env = Env(backends)
+    env = Env(backends, a.pool, a.template)
     deadline = time.monotonic() + TIME_CAP_S
     try:
         rows = []
@@ -158,14 +179,15 @@ def main() -> int:
                 r["ref_ms"] = ref
                 rows.append(r)
                 print(r, flush=True)
-        print("\nbackend     conc    n  fail   p50 ms   p95 ms   p99 ms  p50/ref  idle MB (cgroup)  host MB/sandbox")
+        print(f"\npool {a.pool}, template {a.template or '-'}")
+        print("backend     conc    n  fail   p50 ms   p95 ms   p99 ms  p50/ref  starts/s  idle MB (cgroup)  host MB/sandbox")
         for r in rows:
             if not r.get("n"):
                 print(f"{r['backend']:<10} {r['conc']:>5} {0:>4} {r['failures']:>5}   (no sandbox started)")
                 continue
             ratio = f"{r['p50'] / r['ref_ms']:.1f}x" if r.get("ref_ms") else "-"
             print(f"{r['backend']:<10} {r['conc']:>5} {r['n']:>4} {r['failures']:>5} {r['p50']:>8.1f} {r['p95']:>8.1f} "
-                  f"{r['p99']:>8.1f} {ratio:>8} {r['mem_mb']:>17.1f} {r['host_mb']:>16.1f}")
+                  f"{r['p99']:>8.1f} {ratio:>8} {r['starts_per_s']:>9.1f} {r['mem_mb']:>17.1f} {r['host_mb']:>16.1f}")
         print("reference: namespace = bare `bwrap --unshare-all true` median "
               f"{next((r['ref_ms'] for r in rows if r['backend'] == 'namespace'), float('nan')):.1f} ms; "
               "microvm = cold boot of the same guest (if the backend reports it)")

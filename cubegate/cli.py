@@ -96,7 +96,7 @@ def ca_env(ctx: click.Context) -> None:
 # ------------------------------------------------------------------- policy
 @main.group()
 def policy() -> None:
-    """Validate and inspect policy files."""
+    """Policies: files (check) and the daemon's policy API (apply, get, ls, rm, history, rollback, decide)."""
 
 
 @policy.command("check")
@@ -113,31 +113,6 @@ def policy_check(ctx: click.Context, path: str | None) -> None:
         click.echo(f"invalid: {e}", err=True)
         sys.exit(1)
     click.echo(f"ok: {len(compiled.sources)} file(s), digest {compiled.digest[:12]}")
-
-
-@policy.command("decide")
-@click.option("--sandbox", required=True)
-@click.option("--label", multiple=True, help="k=v")
-@click.option("--host", required=True)
-@click.option("--port", type=int, default=443, show_default=True)
-@click.option("--scheme")
-@click.option("--method")
-@click.option("--path", "req_path")
-@click.pass_context
-def policy_decide(ctx, sandbox, label, host, port, scheme, method, req_path) -> None:
-    """Explain what the policy would decide for one request (no traffic sent)."""
-    import dataclasses
-
-    from egress.policy import PolicyError, RequestInfo, load_policy_dir
-
-    try:
-        compiled = load_policy_dir(_settings(ctx).policy_dir)
-    except PolicyError as e:
-        raise click.ClickException(str(e))
-    labels = dict(_parse_label(l) for l in label)
-    d = compiled.decide(RequestInfo(sandbox_id=sandbox, labels=labels, host=host, port=port,
-                                    scheme=scheme, method=method, path=req_path))
-    click.echo(json.dumps(dataclasses.asdict(d), indent=1))
 
 
 def _parse_label(text: str) -> tuple[str, str]:
@@ -268,12 +243,17 @@ def net_status(ctx, as_json) -> None:
 def _mount_groups() -> None:
     """Groups from other modules; each gets the CliContext as its ctx.obj."""
     from cubegate.sandbox_cli import sandbox_cli
+    from cubegate.template_cli import template_cli
     from egress.audit.cli import audit
     from vault.cli import vault_cli
 
     main.add_command(audit, "audit")
     main.add_command(sandbox_cli, "sandbox")
+    main.add_command(template_cli, "template")
     main.add_command(vault_cli, "vault")
+    from cubegate.policy_cli import access_cli, add_policy_commands
+    add_policy_commands(policy)
+    main.add_command(access_cli, "access")
 
 
 _mount_groups()

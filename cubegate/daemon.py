@@ -23,7 +23,10 @@ from egress.identity import IdentityStore
 from egress.metrics import GatewayMetrics
 from egress.mitm_ca import ca_paths, ensure_ca
 from egress.ops_server import Readiness, start_ops_server
+from egress.policy.live import LivePolicies
 from egress.policy.reload import PolicyStore
+from egress.policy.repo import PolicyRepo
+from egress.revocation import denied_by
 
 import vault as vaultlib
 from cubegate.settings import Settings
@@ -47,16 +50,22 @@ class Daemon:
     # ------------------------------------------------------------------ start
     async def start(self) -> None:
         s = self.settings
+        self._loop = asyncio.get_running_loop()
         Path(s.state_dir).mkdir(parents=True, exist_ok=True)
         _raise_nofile_limit()  # every connection costs two fds (client + upstream)
         # Policy first: no valid policy → no daemon (PolicyError propagates with file:line).
-        self.policies = PolicyStore(s.policy_dir)
-        self.audit = AuditLog(s.audit_dir, max_bytes=s.audit.max_bytes, keep_files=s.audit.keep_files,
-                              retention_days=s.audit.retention_days, fsync=s.audit.fsync)
+        # Files + the policy API's versioned store; an API policy replaces a file policy of the same name.
+        self.policy_repo = PolicyRepo(s.policy_db)
+        self.policies = LivePolicies(PolicyStore(s.policy_dir), self.policy_repo)
+        from cubegate.denials import DenialRing, TappedAudit
+        self.denials = DenialRing(per_sandbox=s.access.denials_kept_per_sandbox)
+        self.audit = TappedAudit(AuditLog(s.audit_dir, max_bytes=s.audit.max_bytes, keep_files=s.audit.keep_files,
+                                          retention_days=s.audit.retention_days, fsync=s.audit.fsync),
+                                 self.denials.observe)   # each sandbox's recent denials, for cubegate.internal
         self.audit_index = AuditIndex(Path(s.state_dir) / "audit-index.db", s.audit_dir)
         self.identities = IdentityStore(s.identity_db)
         own = {(s.proxy.listen_host, s.proxy.explicit_port), (s.ops.listen_host, s.ops.port),
-               ("127.0.0.1", s.vault.api_port)}
+               ("127.0.0.1", s.vault.api_port), ("127.0.0.1", s.policy_api.port)}
         if s.console.enabled:
             own.add(("127.0.0.1", s.console.port))
         if s.proxy.transparent_port:
@@ -73,6 +82,7 @@ class Daemon:
         self._uninstall_resolver = netguard.install(asyncio.get_running_loop(), self.resolver)
         ensure_ca(s.ca_dir)
         self._open_vault()
+        self._start_access()
         self.gate = PolicyGate(
             policies=self.policies, identities=self.identities, guard=self.guard, resolver=self.resolver,
             audit=self.audit, metrics=self.metrics, credentials=self._credentials(),
@@ -84,9 +94,14 @@ class Daemon:
             body_limits=BodyLimits(max_body_bytes=s.proxy.max_body_bytes,
                                    inspect_buffer_bytes=s.proxy.inspect_buffer_bytes,
                                    max_buffered_bytes_per_sandbox=s.proxy.max_buffered_bytes_per_sandbox),
+            agent_endpoint=self.agent_endpoint,
         )
+        # A change (API, grant, expiry, file) closes open connections the new policy denies.
+        self.policies.on_change(self._revoke_on_change)
         from cubegate import runtime_service  # sandboxes + their API (runtime.enabled); creates the switch
         self._runtime = await runtime_service.start_for(self)   # before DNS: the switch adds the hub address
+        from cubegate.e2b import service as e2b_service  # the E2B-compatible API on the runtime (e2b.enabled)
+        self._e2b = await e2b_service.start_for(self, self._runtime)
         from cubegate import sandbox_dns  # sandbox DNS resolver (settings.dns; off when listen_host is null)
         self._dns = await sandbox_dns.start_for(self)
         from cubegate import netwatch  # switch counters on /metrics, drop events to audit (transparent mode)
@@ -99,6 +114,14 @@ class Daemon:
         self._add_readiness_checks()
         self.vault_api = None
         self._start_vault_api()
+        self.policy_api = None
+        if s.policy_api.enabled:
+            from cubegate import policy_api
+            from cubegate.admin_tokens import AdminTokens, ensure_token_file
+            ensure_token_file(s.admin_token_file)
+            tokens = AdminTokens(s.admin_token_file, self.vault.tokens if self.vault is not None else None)
+            self.policy_api = policy_api.serve(self.policies, self.access, tokens, port=s.policy_api.port,
+                                               audit_hook=self._admin_audit)
         from cubegate.console import service as console_service   # the web console (console.enabled)
         self._console = await console_service.start_for(self)
         self.ops_server = start_ops_server(s.ops.listen_host, s.ops.port, self.readiness, self.metrics.render)
@@ -109,6 +132,9 @@ class Daemon:
         sup = self.supervisor
         sup.start("policy-watch", self._policy_watch(s.policy_poll_seconds))
         sup.start("audit-index", self._index_loop())
+        sup.start("grant-expiry", self._grant_expiry_loop(s.access.grant_sweep_seconds))
+        if self.webhook is not None:
+            sup.start("access-webhook", self.webhook.run())
         if self._netwatch is not None:
             sup.watch("netwatch", self._netwatch.task)
         if self._dns is not None:
@@ -144,6 +170,43 @@ class Daemon:
             log.warning("vault %s stays sealed: %s; bound requests get 503 until it is unsealed", s.vault_db, e)
         except vaultlib.VaultError as e:
             log.error("vault stays sealed: %s", e)
+
+    def _revoke_on_change(self, old, new) -> None:
+        """On the event loop (the runtime API changes network options from its worker threads)."""
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if here is self._loop:
+            self.gate.revoke_where(denied_by(new))
+        else:
+            self._loop.call_soon_threadsafe(lambda: self.gate.revoke_where(denied_by(self.policies.current)))
+
+    def _start_access(self) -> None:
+        """Access requests (cubegate.internal) and their webhook."""
+        from cubegate.access_store import AccessStore
+        from cubegate.agent_endpoint import AgentEndpoint
+        a = self.settings.access
+        self.access = AccessStore(Path(self.settings.state_dir) / "access.db")
+        self.webhook = None
+        if a.webhook_url:
+            from cubegate.webhook import Webhook
+            self.webhook = Webhook(a.webhook_url, a.webhook_timeout_seconds)
+        self.agent_endpoint = AgentEndpoint(
+            denials=self.denials, access=self.access,
+            notify=self.webhook.notify if self.webhook is not None else (lambda req: None),
+            requests_per_minute=a.requests_per_minute, max_pending=a.max_pending_per_sandbox,
+            max_reason_chars=a.max_reason_chars)
+
+    async def _grant_expiry_loop(self, interval: float) -> None:
+        import time
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                for name in self.policies.expire_grants(time.time()):
+                    log.info("grant %s expired and was removed", name)
+            except Exception:   # keep sweeping; a grant that could not be removed is tried again
+                log.exception("grant expiry sweep failed")
 
     def _credentials(self):
         if self.vault is None:
@@ -242,12 +305,15 @@ class Daemon:
             from egress.drain import drain
             await drain(self.master, self.settings.proxy.drain_seconds,
                         close_first=(self.ops_server, getattr(self, "vault_api", None),
+                                     getattr(self, "policy_api", None),
                                      getattr(getattr(self, "_console", None), "server", None)))
             self.master.shutdown()
         if self.ops_server is not None:
             self.ops_server.stop()
         if getattr(self, "vault_api", None) is not None:
             self.vault_api.stop()
+        if getattr(self, "policy_api", None) is not None:
+            self.policy_api.stop()
         from cubegate.console import service as console_service
         console_service.stop_for(getattr(self, "_console", None))
         await self.supervisor.stop()
@@ -255,6 +321,8 @@ class Daemon:
         await sandbox_dns.stop_for(getattr(self, "_dns", None))
         from cubegate import netwatch
         await netwatch.stop_for(getattr(self, "_netwatch", None))
+        from cubegate.e2b import service as e2b_service
+        await e2b_service.stop_for(getattr(self, "_e2b", None))
         from cubegate import runtime_service
         await runtime_service.stop_for(getattr(self, "_runtime", None))
         if self._uninstall_resolver:
@@ -264,6 +332,9 @@ class Daemon:
         except Exception:
             pass
         self.audit.close()
+        for db in ("access", "policy_repo"):
+            if getattr(self, db, None) is not None:
+                getattr(self, db).close()
         if getattr(self, "_lookup", None) is not None:
             self._lookup.close()
 
@@ -287,5 +358,7 @@ def _admin_record(rec: dict) -> dict:
             "reason": rec.get("reason") or rec.get("action"), "status": rec.get("status"),
             "extra": {k: v for k, v in rec.items() if k in
                       ("action", "tenant", "secret_id", "version", "binding_id", "actor", "outcome", "remote",
-                       "sandbox", "program", "exit_code", "path", "token_id", "records")}}
+                       "sandbox", "program", "exit_code", "path", "snapshot", "clones",
+                       "kind", "name", "version", "change", "scope", "request_id", "to_version", "token_id",
+                       "records")}}
 

@@ -9,6 +9,12 @@
     PUT    /v1/sandboxes/{id}/files?path=P    raw body → file
     GET    /v1/sandboxes/{id}/files?path=P    file → raw body
     POST   /v1/sandboxes/{id}/pause | resume
+    POST   /v1/sandboxes/{id}/snapshot        {id?}  → 201 snapshot (files only, not processes)
+    POST   /v1/sandboxes/{id}/rollback        {snapshot}  stop, restore the files, start again
+    GET    /v1/snapshots                      list
+    GET    /v1/snapshots/{snapshot}           get
+    DELETE /v1/snapshots/{snapshot}           remove (204)
+    POST   /v1/snapshots/{snapshot}/clone     {ids, labels, env, secret_env, limits?} → 201 sandboxes
     GET    /v1/openapi.json
 
 Bodies: cubegate/runtime_models.py (validation and the OpenAPI document). Every
@@ -38,6 +44,7 @@ from httpkit import AuditHook, JsonHandler, PathParam, operation
 from cubegate import runtime_models as m
 from sandbox_runtime.backend import Limits, NotSupported, SandboxError
 from sandbox_runtime.capacity import CapacityError
+from sandbox_runtime.snapshots import SNAPSHOT_ID_RE
 from sandbox_runtime.manager import (SANDBOX_ID_RE, Conflict, CreateRequest, InvalidRequest, NotFound, SandboxManager,
                                      SecretRefused, Unavailable)
 
@@ -168,7 +175,10 @@ class SandboxesHandler(_Base):
         limits = Limits(**{**default.__dict__, **body.limits.model_dump(exclude_none=True)})
         req = CreateRequest(sandbox_id=body.id, tenant=body.tenant,
                             backend=body.backend or self.settings["default_backend"], labels=body.labels,
-                            limits=limits, env=body.env, files=body.files, secret_env=body.secret_env)
+                            limits=limits, env=body.env, files=body.files, secret_env=body.secret_env,
+                            template=body.template or self.settings["default_template"],
+                            network=body.network.model_dump() if body.network is not None else None,
+                            actor=str(self.actor))
         self.reply(201, await self.run(self.manager.create, req))
 
 
@@ -233,6 +243,83 @@ class FilesHandler(_Base):
         self.reply(204)
 
 
+class SnapshotHandler(_Base):
+    action = "sandbox.snapshot"
+
+    @operation("Snapshot the sandbox's files (its writable layer; processes are not kept). The sandbox is "
+               "frozen while they are copied", body=m.TakeSnapshot, status=201, reply=m.Snapshot,
+               errors=(404, 409, 429, 501, 503))
+    async def post(self, id: str, body: m.TakeSnapshot) -> None:
+        self.audit["sandbox"] = id
+        snap = await self.run(self.manager.snapshot, id, body.id)
+        self.audit["snapshot"] = snap["id"]
+        self.reply(201, snap)
+
+
+class RollbackHandler(_Base):
+    action = "sandbox.rollback"
+
+    @operation("Stop the sandbox, replace its files by a snapshot's, start it again (same id, network, "
+               "identity and env; new processes)", body=m.Rollback, reply=m.Sandbox,
+               errors=(404, 409, 429, 500, 501, 503))
+    async def post(self, id: str, body: m.Rollback) -> None:
+        self.audit.update(sandbox=id, snapshot=body.snapshot)
+        self.reply(200, await self.run(self.manager.rollback, id, body.snapshot))
+
+
+class SnapshotsHandler(_Base):
+    action = "snapshot"
+
+    @operation("List snapshots", reply=m.SnapshotList)
+    async def get(self) -> None:
+        self.reply(200, {"snapshots": await self.run(self.manager.list_snapshots)})
+
+
+class OneSnapshotHandler(_Base):
+    action = "snapshot"
+
+    @operation("Get one snapshot", reply=m.Snapshot, errors=(404,))
+    async def get(self, snapshot: str) -> None:
+        self.reply(200, await self.run(self.manager.get_snapshot, snapshot))
+
+    @operation("Remove a snapshot", status=204, errors=(404,))
+    async def delete(self, snapshot: str) -> None:
+        self.audit["snapshot"] = snapshot
+        await self.run(self.manager.delete_snapshot, snapshot)
+        self.reply(204)
+
+
+class CloneHandler(_Base):
+    action = "snapshot.clone"
+
+    def secret_owner(self) -> tuple[str, str | None]:
+        snap = self.manager.get_snapshot(self.path_kwargs["snapshot"])   # NotFound: 404 before the body is read
+        return snap["sandbox"], snap["tenant"]
+
+    @operation("Start sandboxes from a snapshot (all or none); each its own identity, address, placeholders "
+               "and policy", body=m.Clone, status=201, reply=m.SandboxList, errors=(404, 409, 429, 500, 501, 503))
+    async def post(self, snapshot: str, body: m.Clone) -> None:
+        self.audit["snapshot"] = snapshot
+        self.claimed["clones"] = ",".join(body.ids)
+        limits = None
+        if body.limits is not None:
+            base = self.manager.get_snapshot(snapshot)["limits"]
+            limits = Limits(**{**base, **body.limits.model_dump(exclude_none=True)})
+        made = await self.run(self.manager.clone, snapshot, body.ids, labels=body.labels, env=body.env,
+                              secret_env=body.secret_env, limits=limits)
+        self.reply(201, {"sandboxes": made})
+
+
+class NetworkHandler(_Base):
+    action = "sandbox.network"
+
+    @operation("Replace the sandbox's network options (they only narrow the policy; open connections they "
+               "refuse are closed)", body=m.Network, reply=m.Sandbox, errors=(404, 409))
+    async def put(self, id: str, body: m.Network) -> None:
+        self.audit["sandbox"] = id
+        self.reply(200, await self.run(self.manager.set_network, id, body.model_dump(), str(self.actor)))
+
+
 def _state_handler(op: str, summary: str, errors: tuple[int, ...]) -> type[_Base]:
     class StateHandler(_Base):
         action = f"sandbox.{op}"
@@ -251,20 +338,29 @@ ROUTES = [
     ("/v1/sandboxes/{id}/exec", ExecHandler),
     ("/v1/sandboxes/{id}/init", InitHandler),
     ("/v1/sandboxes/{id}/files", FilesHandler),
+    ("/v1/sandboxes/{id}/network", NetworkHandler),
     ("/v1/sandboxes/{id}/pause", _state_handler("pause", "Freeze all processes", (404, 409, 501))),
     ("/v1/sandboxes/{id}/resume", _state_handler("resume", "Thaw", (404, 409))),
+    ("/v1/sandboxes/{id}/snapshot", SnapshotHandler),
+    ("/v1/sandboxes/{id}/rollback", RollbackHandler),
+    ("/v1/snapshots", SnapshotsHandler),
+    ("/v1/snapshots/{snapshot}", OneSnapshotHandler),
+    ("/v1/snapshots/{snapshot}/clone", CloneHandler),
     ("/v1/openapi.json", httpkit.openapi_handler(_Base, public=True)),   # public: it holds no data
 ]
-PARAMS = {"id": PathParam(SANDBOX_ID_RE.pattern.strip("^$"), {"type": "string", "pattern": SANDBOX_ID_RE.pattern})}
+PARAMS = {"id": PathParam(SANDBOX_ID_RE.pattern.strip("^$"), {"type": "string", "pattern": SANDBOX_ID_RE.pattern}),
+          "snapshot": PathParam(SNAPSHOT_ID_RE.pattern.strip("^$"),
+                                {"type": "string", "pattern": SNAPSHOT_ID_RE.pattern})}
 
 
 def make_app(manager: SandboxManager | None, tokens: TokenCheck | None, pool: ThreadPoolExecutor | None, *,
              audit_hook: AuditHook | None = None, default_backend: str = "namespace",
-             default_limits: Limits = Limits()):
+             default_limits: Limits = Limits(), default_template: str | None = None):
     kw = {"manager": manager, "tokens": tokens, "pool": pool, "audit_hook": audit_hook}
     return httpkit.make_app(ROUTES, base=_Base, kwargs=kw, params=PARAMS, title="cubegate sandbox API",
                             public_not_found=True, log_name="cubegate.runtime_api",
-                            default_backend=default_backend, default_limits=default_limits)
+                            default_backend=default_backend, default_limits=default_limits,
+                            default_template=default_template)
 
 
 class RuntimeServer:
@@ -282,10 +378,11 @@ class RuntimeServer:
 
 def serve(manager: SandboxManager, *, host: str, port: int, token_file: Path, vault_tokens=None,
           audit_hook=None, default_backend: str = "namespace", default_limits: Limits = Limits(),
-          workers: int = 64) -> RuntimeServer:
+          workers: int = 64, default_template: str | None = None) -> RuntimeServer:
     ensure_token_file(token_file)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="runtime")
     app = make_app(manager, TokenCheck(token_file, vault_tokens), pool, audit_hook=audit_hook,
-                   default_backend=default_backend, default_limits=default_limits)
+                   default_backend=default_backend, default_limits=default_limits,
+                   default_template=default_template)
     # loopback only: sandboxes must never reach it
     return RuntimeServer(httpkit.serve(app, max_body=MAX_BODY, host=host, port=port, what="the sandbox API"), pool)

@@ -27,6 +27,17 @@ class DaemonHooks:
 
     def forget(self, sandbox_id: str) -> None:
         self.d.identities.remove(sandbox_id)
+        self.d.policies.remove_network(sandbox_id, actor="runtime")   # network options go with the sandbox
+        self.d.denials.forget(sandbox_id)
+
+    def set_network(self, sandbox_id: str, network: dict, actor: str) -> None:
+        """Per-sandbox network options (narrow only); versioned in the policy store."""
+        from egress.policy import PolicyError
+        try:
+            self.d.policies.set_network(sandbox_id, network, actor=actor)
+        except PolicyError as e:
+            raise InvalidRequest("network: " + "; ".join(f"{p['pointer'] or '/'}: {p['message']}"
+                                                         for p in e.pointers())) from None
 
     def l4_allow(self, sandbox_id: str, labels: dict[str, str]) -> list:
         return l4_allow_for(self.d.policies.current, sandbox_id, labels)
@@ -48,3 +59,6 @@ class DaemonHooks:
             return v.find_leaks(tenant, sandbox_id, data)
         except vaultlib.VaultError as e:
             raise Unavailable(f"vault unavailable, cannot check the request for secrets: {e}") from None
+
+    def audit(self, record: dict) -> None:
+        self.d._admin_audit(record)

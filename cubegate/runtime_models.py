@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchem
 from pydantic_core import PydanticCustomError
 
 from httpkit import Body, Reply
-from sandbox_runtime.manager import SANDBOX_ID_RE
+from sandbox_runtime.manager import MAX_CLONES, SANDBOX_ID_RE, TEMPLATE_NAME_RE
+from sandbox_runtime.snapshots import SNAPSHOT_ID_RE
 from vault.api_models import Name
 
 
@@ -35,6 +36,8 @@ def _absolute(value: object) -> str:
 
 Base64 = Annotated[bytes, PlainValidator(_b64), WithJsonSchema({"type": "string", "contentEncoding": "base64"})]
 SandboxId = Annotated[str, Field(pattern=SANDBOX_ID_RE.pattern)]
+TemplateName = Annotated[str, Field(pattern=TEMPLATE_NAME_RE.pattern)]
+SnapshotId = Annotated[str, Field(pattern=SNAPSHOT_ID_RE.pattern)]
 StrMap = dict[str, str]
 Positive = Field(None, gt=0)
 
@@ -48,6 +51,13 @@ class LimitsIn(Body):
     disk_mb: int | None = Positive
 
 
+class Network(Body):
+    """Only narrows what the admin policies allow: entries are hosts, *.wildcards or CIDRs, each
+    optionally with :PORT (api.x.com:443, 10.0.0.0/8:5432, [2001:db8::/32]:443)."""
+    allow: list[str] = Field([], max_length=256, description="empty: everything the policies allow")
+    deny: list[str] = Field([], max_length=256)
+
+
 class CreateSandbox(Body):
     id: SandboxId
     tenant: Name
@@ -57,6 +67,9 @@ class CreateSandbox(Body):
     env: StrMap = {}
     files: dict[str, Base64] = Field({}, description="path under /workspace -> base64 content")
     secret_env: StrMap = Field({}, description="ENV_NAME -> vault secret id (gets its placeholder)")
+    template: TemplateName | None = Field(None, description="root filesystem template (`cubegate template ls`); "
+                                          "default: settings.runtime.default_template, else the host's /usr")
+    network: Network | None = None
 
 
 class Owner(BaseModel):
@@ -81,6 +94,24 @@ class Init(Body):
     secret_env: StrMap = {}
 
 
+class TakeSnapshot(Body):
+    id: SnapshotId | None = Field(None, description="default: <sandbox id>-<8 hex>")
+
+
+class Clone(Body):
+    """Each clone gets its own identity, address, placeholders and policy (from its own id and
+    labels): nothing of the snapshotted sandbox's but its files and tenant."""
+    ids: list[SandboxId] = Field(min_length=1, max_length=MAX_CLONES)
+    labels: StrMap = {}
+    env: StrMap = {}
+    secret_env: StrMap = Field({}, description="ENV_NAME -> vault secret id (gets the clone's own placeholder)")
+    limits: LimitsIn | None = Field(None, description="default: the snapshotted sandbox's limits")
+
+
+class Rollback(Body):
+    snapshot: SnapshotId
+
+
 class FileQuery(Body):
     path: Annotated[str, PlainValidator(_absolute), WithJsonSchema({"type": "string", "pattern": "^/"})]
 
@@ -100,16 +131,35 @@ class Sandbox(Reply):
     labels: StrMap
     limits: Limits
     state: Literal["creating", "running", "paused", "failed"]
+    paused_by: Literal["api", "idle"] | None = Field(None, description="idle: auto-paused, the next call resumes it")
     ip: str | None
     created: float
     start_ms: float | None
     error: str | None
+    template: str | None = Field(None, description="root filesystem template (null: the host's /usr)")
     usage: dict[str, float] | None = Field(None, description="measured (GET of one sandbox)")
     usage_error: str | None = None
 
 
 class SandboxList(Reply):
     sandboxes: list[Sandbox]
+
+
+class Snapshot(Reply):
+    """A copy of a sandbox's files (namespace: its template's writable layer); processes are not kept."""
+    id: str
+    sandbox: str = Field(description="the sandbox it was taken from (may be gone since)")
+    tenant: str
+    backend: str
+    template: str | None
+    template_key: str | None
+    limits: Limits
+    size_bytes: int
+    created: float
+
+
+class SnapshotList(Reply):
+    snapshots: list[Snapshot]
 
 
 class ExecResult(Reply):

@@ -1,4 +1,5 @@
-"""`cubegate sandbox create|exec|ls|get|rm|init|cp`: a thin client of the daemon's sandbox API."""
+"""`cubegate sandbox create|exec|ls|get|rm|init|cp|snapshot|clone|rollback|snapshots|snapshot-rm`:
+a thin client of the daemon's sandbox API."""
 from __future__ import annotations
 
 import base64
@@ -61,6 +62,7 @@ def sandbox_cli() -> None:
 @click.argument("sandbox_id")
 @click.option("--tenant", required=True)
 @click.option("--backend", default=None, help="namespace (default) or microvm")
+@click.option("--template", default=None, help="root filesystem template (cubegate template ls)")
 @click.option("--label", "labels", multiple=True, help="KEY=VALUE (policy selection)")
 @click.option("--env", "env", multiple=True, help="NAME=VALUE (never a real key: use --secret-env)")
 @click.option("--secret-env", "secret_env", multiple=True, help="NAME=SECRET_ID: NAME gets the secret's placeholder")
@@ -70,7 +72,8 @@ def sandbox_cli() -> None:
 @click.option("--pids", type=int)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def create(ctx, sandbox_id, tenant, backend, labels, env, secret_env, files, memory_mb, cpus, pids, as_json):
+def create(ctx, sandbox_id, tenant, backend, template, labels, env, secret_env, files, memory_mb, cpus, pids,
+           as_json):
     """Create a sandbox; returns when its agent answered and its network is attached."""
     doc = {"id": sandbox_id, "tenant": tenant, "labels": _pairs(labels, "--label"), "env": _pairs(env, "--env"),
            "secret_env": _pairs(secret_env, "--secret-env"),
@@ -78,6 +81,8 @@ def create(ctx, sandbox_id, tenant, backend, labels, env, secret_env, files, mem
            "limits": {k: v for k, v in (("memory_mb", memory_mb), ("cpus", cpus), ("pids", pids)) if v is not None}}
     if backend:
         doc["backend"] = backend
+    if template:
+        doc["template"] = template
     out = _api(ctx).call("POST", "/sandboxes", json=doc).json()
     click.echo(json.dumps(out, indent=2) if as_json else
                f"{out['id']} {out['state']} {out['backend']} ip {out['ip']} started in {out['start_ms']} ms")
@@ -169,3 +174,73 @@ def cp(ctx, src, dst):
     else:
         raise click.BadParameter("exactly one side must be SANDBOX_ID:/absolute/path")
     click.echo(f"{src} -> {dst}")
+
+
+@sandbox_cli.command("snapshot")
+@click.argument("sandbox_id")
+@click.option("--name", "snapshot_id", default=None, help="snapshot id (default: SANDBOX_ID-<8 hex>)")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def snapshot(ctx, sandbox_id, snapshot_id, as_json):
+    """Snapshot a sandbox's files (its writable layer); its processes are not kept."""
+    doc = {"id": snapshot_id} if snapshot_id else {}
+    out = _api(ctx).call("POST", f"/sandboxes/{sandbox_id}/snapshot", json=doc).json()
+    click.echo(json.dumps(out, indent=2) if as_json else
+               f"{out['id']} of {out['sandbox']} ({out['template']}, {out['size_bytes']} bytes)")
+
+
+@sandbox_cli.command("clone")
+@click.argument("snapshot_id")
+@click.argument("sandbox_ids", nargs=-1, required=True)
+@click.option("--label", "labels", multiple=True, help="KEY=VALUE (policy selection of the clones)")
+@click.option("--env", "env", multiple=True, help="NAME=VALUE")
+@click.option("--secret-env", "secret_env", multiple=True, help="NAME=SECRET_ID: each clone gets its own placeholder")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def clone(ctx, snapshot_id, sandbox_ids, labels, env, secret_env, as_json):
+    """Start one sandbox per SANDBOX_ID from a snapshot (all or none); each its own identity,
+    address, placeholders and policy."""
+    doc = {"ids": list(sandbox_ids), "labels": _pairs(labels, "--label"), "env": _pairs(env, "--env"),
+           "secret_env": _pairs(secret_env, "--secret-env")}
+    out = _api(ctx).call("POST", f"/snapshots/{snapshot_id}/clone", json=doc).json()["sandboxes"]
+    if as_json:
+        click.echo(json.dumps(out, indent=2))
+        return
+    for sb in out:
+        click.echo(f"{sb['id']} {sb['state']} ip {sb['ip']} started in {sb['start_ms']} ms")
+
+
+@sandbox_cli.command("rollback")
+@click.argument("sandbox_id")
+@click.argument("snapshot_id")
+@click.pass_context
+def rollback(ctx, sandbox_id, snapshot_id):
+    """Stop the sandbox, restore its files from a snapshot, start it again (new processes)."""
+    out = _api(ctx).call("POST", f"/sandboxes/{sandbox_id}/rollback", json={"snapshot": snapshot_id}).json()
+    click.echo(f"{out['id']} {out['state']}: files of snapshot {snapshot_id}")
+
+
+@sandbox_cli.command("snapshots")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def snapshots(ctx, as_json):
+    """List snapshots."""
+    rows = _api(ctx).call("GET", "/snapshots").json()["snapshots"]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    click.echo(f"{'ID':<40} {'SANDBOX':<24} {'TENANT':<14} {'TEMPLATE':<10} {'BYTES':>10}")
+    for r in rows:
+        click.echo(f"{r['id']:<40} {r['sandbox']:<24} {r['tenant']:<14} {r['template'] or '-':<10} "
+                   f"{r['size_bytes']:>10}")
+
+
+@sandbox_cli.command("snapshot-rm")
+@click.argument("snapshot_ids", nargs=-1, required=True)
+@click.pass_context
+def snapshot_rm(ctx, snapshot_ids):
+    """Remove snapshots."""
+    api = _api(ctx)
+    for sid in snapshot_ids:
+        api.call("DELETE", f"/snapshots/{sid}")
+        click.echo(f"{sid} removed")

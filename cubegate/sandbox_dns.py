@@ -43,6 +43,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from cubegate.dns_accounting import FULL, LIMITED, AnswerAggregator, Interval, NewNameLimiter
 from egress.audit.record import make_record, now_ts
+from egress.gate import AGENT_HOST
 from egress.netguard import DestinationBlocked, DestinationUnresolvable
 
 log = logging.getLogger("cubegate.dns")
@@ -68,12 +69,13 @@ class DnsMetrics:
 class SandboxDns:
     def __init__(self, *, lookup: Any, policies: Any, resolver: Any, audit: Any, ttl: int = TTL,
                  audit_interval: float = 60.0, max_new_names: int = 120,
-                 metrics_registry: CollectorRegistry | None = None):
+                 metrics_registry: CollectorRegistry | None = None, agent_addr: str | None = None):
         self.lookup = lookup            # .lookup_by_ip(ip) -> Identity | None  (None: every query REFUSED)
         self.policies = policies        # PolicyStore (.current: CompiledPolicySet)
         self.resolver = resolver        # egress.netguard.GuardedResolver
         self.audit = audit              # AuditLog (.append(record))
         self.ttl = ttl
+        self.agent_addr = agent_addr    # cubegate.internal → this (the gateway), for sandboxes only
         self.audit_interval = audit_interval
         self.metrics = DnsMetrics(metrics_registry)
         self.aggregator = AnswerAggregator()
@@ -243,6 +245,11 @@ class SandboxDns:
         sandbox = ident.sandbox_id
         client = f"{client_ip}:{client_port}"
         qtype = QTYPE.get(q.qtype, str(q.qtype))
+        if qname == AGENT_HOST and self.agent_addr is not None:
+            self.metrics.queries.labels(sandbox, "agent_endpoint").inc()
+            if q.qtype == QTYPE.A:
+                reply.add_answer(RR(q.qname, QTYPE.A, rdata=A(self.agent_addr), ttl=self.ttl))
+            return reply.pack()
         policies = self.policies.current
         if policies is None or not qname or not policies.name_may_resolve(sandbox, ident.labels, qname):
             self.metrics.queries.labels(sandbox, "not_allowed").inc()
@@ -332,7 +339,8 @@ async def start_for(daemon) -> SandboxDns | None:
         return None
     srv = SandboxDns(lookup=getattr(daemon.gate, "sandbox_lookup", None), policies=daemon.policies,
                      resolver=daemon.resolver, audit=daemon.audit, audit_interval=s.audit_interval_seconds,
-                     max_new_names=s.max_new_names_per_minute, metrics_registry=daemon.metrics.registry)
+                     max_new_names=s.max_new_names_per_minute, metrics_registry=daemon.metrics.registry,
+                     agent_addr=s.listen_host if getattr(daemon.gate, "agent_endpoint", None) else None)
     await srv.start(s.listen_host, s.port)
     return srv
 

@@ -128,6 +128,7 @@ Port = Annotated[int, Strict(), Field(ge=1, le=65535)]
 PortOrZero = Annotated[int, Strict(), Field(ge=0, le=65535)]   # 0: the kernel picks one
 Bool = Annotated[bool, Strict()]
 Backend = Literal["namespace", "microvm"]
+TemplateName = Annotated[str, Strict(), Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,31}$")]   # manager.TEMPLATE_NAME_RE
 KiB, MiB, GiB = 1024, 1024 ** 2, 1024 ** 3
 
 
@@ -207,11 +208,65 @@ class RuntimeSettings(_Section):
     default_disk_mb: _count(1, 1 << 20) = 256
     microvm_assets: PathStr | None = None       # default: <repo>/.cache/microvm (`make setup` builds it)
     hub_netns: Annotated[str, Strict(), AfterValidator(_check_netns)] | None = None  # None = the daemon's own
+    template_cache: PathStr | None = None       # built templates; default <state_dir>/.cache/templates
+    default_template: TemplateName | None = None  # template of sandboxes whose request names none (None: host /usr)
+    pool_size: _count(0, 1024) = 0              # network slots (netns + veth + maps) kept ready ahead of creates
+    auto_pause_seconds: _seconds(le=7 * 86400) | None = None   # freeze a sandbox idle this long (no exec or other
+                                                # call on it, no traffic); the next call resumes it. None: never
+    paused_capacity: Literal["full", "memory"] = "full"   # what a paused sandbox keeps reserved: its whole
+                                                # footprint, or its memory only (CPUs free; a resume may get 429)
+    max_snapshots: _count(0, 100_000) = 100     # snapshots kept on disk (<state_dir>/runtime/snapshots)
+
+
+def _check_webhook_url(v: str) -> str:
+    from urllib.parse import urlsplit
+    u = urlsplit(v)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError(f"webhook URL must be http(s)://host[:port]/path, got {v!r}")
+    return v
+
+
+class PolicyApiSettings(_Section):
+    enabled: Bool = True
+    port: Port = 9093                            # policy + access-request admin API, loopback only
+
+
+class AccessSettings(_Section):
+    webhook_url: Annotated[str, Strict(), AfterValidator(_check_webhook_url)] | None = None  # POST per new request
+    webhook_timeout_seconds: _seconds(le=60) = 5.0
+    requests_per_minute: _count(1, 600) = 6            # access requests one sandbox may file (token bucket)
+    max_pending_per_sandbox: _count(1, 1000) = 20
+    max_reason_chars: _count(0, 2000) = 500
+    denials_kept_per_sandbox: _count(1, 10_000) = 50   # cubegate.internal/v1/denials ring
+    grant_sweep_seconds: _seconds(le=3600) = 5.0       # how often expired grants are removed
+
+
+_TENANT = Annotated[str, Strict(), Field(pattern=r"^[a-z0-9][a-z0-9_.-]{0,63}$")]
+
+
+class E2bTemplate(_Section):
+    kind: Literal["base", "code-interpreter"] = "base"
+    backend: Backend | None = None              # None: runtime.default_backend
+    memory_mb: _count(16, 1 << 20) | None = None
+    cpus: Annotated[float, Strict(), Field(gt=0, le=1024)] | None = None
+    disk_mb: _count(1, 1 << 20) | None = None
+
+
+class E2bSettings(_Section):
+    enabled: Bool = False                       # the E2B-compatible API (needs runtime.enabled)
+    port: Port = 3000                           # loopback only: E2B_API_URL and E2B_SANDBOX_URL point here
+    domain: Str | None = None                   # also route Host <port>-<id>.<domain>; None: any domain
+    tenant: _TENANT = "default"                 # the tenant of every API key not named below
+    token_tenants: dict[Str, _TENANT] = {}      # token id ("local" = the runtime token file) -> tenant
+    default_timeout_seconds: _count(1, 7 * 86400) = 300
+    max_timeout_seconds: _count(1, 30 * 86400) = 86400
+    max_upload_mb: _count(1, 4096) = 256
+    templates: dict[Str, E2bTemplate] = {}      # more template ids (or overrides of base / code-interpreter-v1)
 
 
 class ConsoleSettings(_Section):
     enabled: Bool = False                       # the web console (cubegate/console/), loopback only
-    port: PortOrZero = 9093
+    port: PortOrZero = 9094
     idle_timeout: _seconds(le=86400) = 900.0    # a session unused this long ends (polls and streams do not count)
     max_session: _seconds(le=7 * 86400) = 43200.0   # and every session ends this long after login
     tls_cert: ExistingFile | None = None        # both set: HTTPS (cookies then Secure, __Host- names)
@@ -231,12 +286,23 @@ class Settings(_Section):
     cubevs: CubevsSettings = CubevsSettings()
     dns: DnsSettings = DnsSettings()
     runtime: RuntimeSettings = RuntimeSettings()
+    policy_api: PolicyApiSettings = PolicyApiSettings()
+    access: AccessSettings = AccessSettings()
+    e2b: E2bSettings = E2bSettings()
     console: ConsoleSettings = ConsoleSettings()
 
     # Derived paths -------------------------------------------------------
     @property
     def audit_dir(self) -> Path:
         return Path(self.audit.dir or Path(self.state_dir) / "audit")
+
+    @property
+    def policy_db(self) -> Path:
+        return Path(self.state_dir) / "policies.db"
+
+    @property
+    def admin_token_file(self) -> Path:
+        return Path(self.state_dir) / "admin.token"
 
     @property
     def identity_db(self) -> Path:
@@ -259,6 +325,10 @@ class Settings(_Section):
         return Path(self.state_dir) / "runtime"
 
     @property
+    def template_cache_dir(self) -> Path:
+        return Path(self.runtime.template_cache or Path(self.state_dir) / ".cache" / "templates")
+
+    @property
     def microvm_assets_dir(self) -> Path:
         if self.runtime.microvm_assets:
             return Path(self.runtime.microvm_assets)
@@ -278,6 +348,11 @@ def _cross_checks(s: Settings) -> list[tuple[tuple, str]]:
         out.append((("runtime", "enabled"), "needs proxy.transparent_port: sandbox traffic is steered there"))
     if rt.default_backend not in rt.backends:
         out.append((("runtime", "default_backend"), f"{rt.default_backend!r} is not in runtime.backends"))
+    if s.e2b.enabled and not rt.enabled:
+        out.append((("e2b", "enabled"), "needs runtime.enabled: E2B sandboxes are runtime sandboxes"))
+    for tid, t in s.e2b.templates.items():
+        if t.backend is not None and t.backend not in rt.backends:
+            out.append((("e2b", "templates", tid, "backend"), f"{t.backend!r} is not in runtime.backends"))
     if len(set(rt.backends)) != len(rt.backends):
         out.append((("runtime", "backends"), "lists a backend twice"))
     c = s.console

@@ -97,6 +97,16 @@ class Registry:
                 (e.sandbox_id, e.sandbox_no, e.ip, e.mac, e.ifindex, e.netns, e.host_ifname,
                  json.dumps([list(x) for x in e.l4_allow])))
 
+    def rename(self, old_id: str, new_id: str) -> bool:
+        """Give a prepared slot (registered under its pool token) its sandbox id; False if
+        the token is gone or the id is taken."""
+        with self._lock:
+            try:
+                cur = self._db.execute("UPDATE sandboxes SET sandbox_id=? WHERE sandbox_id=?", (new_id, old_id))
+            except sqlite3.IntegrityError:
+                return False
+            return cur.rowcount == 1
+
     def set_l4(self, sandbox_id: str, l4_allow) -> None:
         with self._lock:
             self._db.execute("UPDATE sandboxes SET l4_allow=? WHERE sandbox_id=?",

@@ -12,6 +12,7 @@ missing (map entries, attachment, steering) without recreating sandboxes.
 from __future__ import annotations
 
 import ipaddress
+import secrets
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,8 @@ class Switch:
         self.netns_prefix = netns_prefix
         self.attach_mode = attach_mode
         self._lock = threading.RLock()
+        self._pending: dict[str, str] = {}   # sandbox id -> address, while its attach is under way
+        self._attach_serial = threading.Lock()
         self.registry = Registry(self.state_dir)
         self._salt = f"{hub_netns}|{self.state_dir.resolve()}"
         self.hub = plumbing.Hub(hub_netns)
@@ -120,24 +123,70 @@ class Switch:
 
     # ---------------------------------------------------------------- sandboxes
     def attach_sandbox(self, sandbox_id: str, *, l4_allow=()) -> SandboxNet:
+        """Attaches run one at a time (_attach_serial: interleaved netlink work makes every
+        attach as slow as all of them together), but the switch lock covers only the address
+        reservation and the map/registry writes, so claims of prepared slots never wait
+        for an attach in progress."""
+        with self._attach_serial:
+            return self._attach(sandbox_id, l4_allow)
+
+    def _attach(self, sandbox_id: str, l4_allow) -> SandboxNet:
         rules = normalize_l4(l4_allow)
+        names = plumbing.names_for(sandbox_id, self._salt, self.netns_prefix)
         with self._lock:
-            if self.registry.get(sandbox_id):
+            if self.registry.get(sandbox_id) or sandbox_id in self._pending:
                 raise SwitchError(f"sandbox {sandbox_id!r} is already attached")
-            reserved = {self.gateway_ip, *self.hub_addrs}
+            reserved = {self.gateway_ip, *self.hub_addrs, *self._pending.values()}
             no, ip, mac = self.registry.allocate(sandbox_id, self.pool, reserved)
-            names = plumbing.names_for(sandbox_id, self._salt, self.netns_prefix)
+            self._pending[sandbox_id] = ip
+        try:
             ifindex = self.hub.create(names, ip=ip, mac=mac, gateway_ip=self.gateway_ip)
             e = Entry(sandbox_id, no, ip, mac, ifindex, names.netns, names.host_ifname, rules)
             try:
-                self._impl.add(e)            # filter in place before the link comes up
+                with self._lock:
+                    self._impl.add(e)            # filter in place before the link comes up
                 self.hub.bring_up(names, ifindex, ip)
-                self.registry.add(e)
+                with self._lock:
+                    self.registry.add(e)
             except BaseException:
-                self._impl.remove(e)
+                with self._lock:
+                    self._impl.remove(e)
                 self.hub.destroy(names)
                 raise
-            return _entry_net(e)
+        finally:
+            with self._lock:
+                self._pending.pop(sandbox_id, None)
+        return _entry_net(e)
+
+    # ---------------------------------------------------------------- prepared slots
+    SLOT_PREFIX = "slot-"
+
+    def prepare_slot(self) -> SandboxNet:
+        """Namespace + veth + address + map entries for a sandbox not yet named, under a
+        random one-use token (unknown to the gateway: its traffic, if any, is refused).
+        claim_slot gives it its sandbox id; a slot is never handed out twice."""
+        return self.attach_sandbox(self.SLOT_PREFIX + secrets.token_hex(8))
+
+    def claim_slot(self, token: str, sandbox_id: str, *, l4_allow=()) -> SandboxNet:
+        if not token.startswith(self.SLOT_PREFIX) or sandbox_id.startswith(self.SLOT_PREFIX):
+            raise SwitchError("not a slot token / a sandbox id cannot look like one")
+        rules = normalize_l4(l4_allow)
+        with self._lock:
+            e = self.registry.get(token)
+            if e is None:
+                raise SwitchError(f"no prepared slot {token!r}")
+            if self.registry.get(sandbox_id):
+                raise SwitchError(f"sandbox {sandbox_id!r} is already attached")
+            if not self.registry.rename(token, sandbox_id):
+                raise SwitchError(f"slot {token!r} was claimed concurrently")
+            e = self.registry.get(sandbox_id)
+            self._impl.set_l4(e, rules)
+            self.registry.set_l4(sandbox_id, rules)
+            return _entry_net(self.registry.get(sandbox_id))
+
+    def slots(self) -> list[str]:
+        """Tokens of prepared, unclaimed slots (e.g. left by a previous daemon)."""
+        return [e.sandbox_id for e in self.registry.all() if e.sandbox_id.startswith(self.SLOT_PREFIX)]
 
     def set_l4_allow(self, sandbox_id: str, l4_allow) -> None:
         rules = normalize_l4(l4_allow)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 import uuid
@@ -34,10 +35,14 @@ from egress.http_checks import (PROXY_ONLY_HEADERS, Refusal, check_framing, chec
 from egress.identity import Identity, IdentityStore
 from egress.metrics import GatewayMetrics
 from egress.policy import Decision, RequestInfo, normalize_host
+from egress.revocation import Closer, OpenConnection, Predicate, Registered
 
 log = logging.getLogger("cubegate.gate")
 
 PLAIN_HTTP_PORTS = frozenset({80})
+AGENT_HOST = "cubegate.internal"   # served by the gateway itself to each sandbox (egress.agent_endpoint)
+ACCESS_HINT = (f"GET http://{AGENT_HOST}/v1/denials lists your recent denials; POST http://{AGENT_HOST}"
+               "/v1/access-requests with {\"host\", \"port\", \"reason\"} asks a person for access")
 TLS_PORTS = frozenset({443})
 
 
@@ -79,6 +84,14 @@ class NoCredentials:
 
     def on_response_headers(self, flow, conn):
         return None
+
+
+class AgentEndpoint(Protocol):
+    """What a sandbox may ask the gateway itself at http://cubegate.internal/ (cubegate/agent_endpoint.py)."""
+
+    max_body: int
+
+    def answer(self, identity: Identity, method: str, path: str, body: bytes) -> tuple[int, dict]: ...
 
 
 class SandboxLookup(Protocol):
@@ -151,6 +164,7 @@ class PolicyGate:
         connect_timeout: float | None = None,
         max_connections_per_sandbox: int | None = None,
         body_limits: BodyLimits | None = None,
+        agent_endpoint: "AgentEndpoint | None" = None,
     ):
         self.policies = policies
         self.identities = identities
@@ -172,6 +186,56 @@ class PolicyGate:
         self.body_limits = body_limits or BodyLimits()
         self.buffer_budget = BufferBudget(self.body_limits.max_buffered_bytes_per_sandbox)
         self._open_per_sandbox: dict[str, int] = {}
+        self.agent_endpoint = agent_endpoint   # serves cubegate.internal (None: the name is refused like any other)
+        self.registered = Registered()   # other data paths' connections (revoke_where closes them too)
+
+    # ------------------------------------------------------------- revocation
+    def register_connection(self, conn: OpenConnection, close: Closer) -> None:
+        """Another data path's connection, revocable like ours until unregistered."""
+        self.registered.register(conn, close)
+
+    def unregister_connection(self, conn_id: str) -> None:
+        self.registered.unregister(conn_id)
+
+    def open_connections(self) -> list[OpenConnection]:
+        """Every open connection whose destination is decided (ours with a tunnel/request, and registered ones)."""
+        out = []
+        for st in list(self.conns.values()):
+            if st.identity is None or st.host is None or st.port is None or st.kind in ("denied", "agent") \
+                    or (st.kind == "pending" and not st.tunnel):
+                continue
+            out.append(OpenConnection(st.conn_id, st.identity.sandbox_id, st.host, st.port,
+                                      labels=st.identity.labels, ip_literal=st.ip_literal, kind=st.kind))
+        return out + [c for c, _ in self.registered.items()]
+
+    def revoke_where(self, predicate: Predicate) -> list[tuple[OpenConnection, str]]:
+        """Close every open connection for which predicate(conn) returns a reason (e.g.
+        egress.revocation.denied_by(new_policy)); each gets a `policy_revoked` audit record."""
+        revoked = []
+        closers = {c.conn_id: close for c, close in self.registered.items()}
+        for conn in self.open_connections():
+            why = predicate(conn)
+            if why is None:
+                continue
+            revoked.append((conn, why))
+            st = self.conns.get(conn.conn_id)
+            rec = dict(decision="deny", reason="policy_revoked", extra={"denied_by": why, "kind": conn.kind})
+            if st is not None:
+                st.kind, st.denied_reason = "denied", "policy_revoked"
+                self._audit("decision", st, **rec)
+                self._count(st, "deny", "policy_revoked", "revoke")
+                client = mitm_internals.client_of(conn.conn_id)
+                if client is not None:
+                    mitm_internals.close_client(client, flush=False)
+            elif conn.conn_id in closers:
+                self._audit("decision", None, conn_id=conn.conn_id, sandbox=conn.sandbox_id, host=conn.host,
+                            port=conn.port, **rec)
+                self.registered.unregister(conn.conn_id)
+                try:
+                    closers[conn.conn_id]("policy_revoked")
+                except Exception:   # one path's failure must not stop the others being closed
+                    log.exception("closing a revoked connection failed")
+        return revoked
 
     # ------------------------------------------------------------------ helpers
     def _audit(self, event: str, st: ConnState | None, **fields: Any) -> bool:
@@ -318,10 +382,18 @@ class PolicyGate:
             self._count(st, "deny", "trailers_refused", "body")
 
     @staticmethod
-    def _deny_response(status: int, reason: str, detail: str) -> http.Response:
-        body = f"cubegate: request refused: {reason}: {detail}\n"
-        return http.Response.make(status, body.encode(), {
-            "Content-Type": "text/plain; charset=utf-8",
+    def _deny_response(status: int, reason: str, detail: str, *, st: ConnState | None = None,
+                       decision: Decision | None = None) -> http.Response:
+        """Every refusal: X-Cubegate-Reason plus a short JSON body an agent can read (what was
+        refused, by which rule of which policy, and where to ask for access)."""
+        body = {"error": "refused_by_cubegate", "reason": reason, "detail": detail,
+                "host": st.host if st is not None else None, "port": st.port if st is not None else None,
+                "rule": decision.rule if decision is not None else None,
+                "policy": decision.policy if decision is not None else None}
+        if status == 403:
+            body["ask_for_access"] = ACCESS_HINT
+        return http.Response.make(status, (json.dumps(body) + "\n").encode(), {
+            "Content-Type": "application/json",
             "X-Cubegate-Reason": reason,
             "Connection": "close",
         })
@@ -340,6 +412,9 @@ class PolicyGate:
             except ValueError as e:
                 return None, Refusal(400, "invalid_host", str(e))
         st.ip_literal = literal is not None
+        if host == AGENT_HOST:
+            return None, Refusal(403, "agent_endpoint_plain_http_only",
+                                 f"{AGENT_HOST} is the gateway itself: plain HTTP on port 80 only")
         identity = st.identity
         decision = self.policies.current.decide(RequestInfo(
             sandbox_id=identity.sandbox_id, labels=identity.labels, host=host, port=port,
@@ -462,7 +537,8 @@ class PolicyGate:
             fields.update(decision="deny", reason=refusal.reason, status=refusal.status)
             self._audit("decision", st, method="CONNECT", **fields)
             self._count(st, "deny", refusal.reason, "connect")
-            flow.response = self._deny_response(refusal.status, refusal.reason, refusal.detail)
+            flow.response = self._deny_response(refusal.status, refusal.reason, refusal.detail, st=st,
+                                                decision=decision)
             return
         tenant = decision.tenant
         st.intercept = decision.needs_inspection or self.credentials.needs_interception(tenant, st.host, st.port)
@@ -628,6 +704,9 @@ class PolicyGate:
                         refusal = check_request_authority(
                             want_host=target, want_port=flow.request.port, scheme=scheme, authority="",
                             host_headers=flow.request.headers.get_all("host"), normalize=_canonical_host)
+                if refusal is None and self.agent_endpoint is not None and _is_agent_target(flow.request.host):
+                    self._agent_request(flow, st)   # answered by the gateway itself, never upstream
+                    return
                 if refusal is None:
                     decision, refusal = await self._destination(
                         st, flow.request.host, flow.request.port, scheme=scheme,
@@ -657,18 +736,20 @@ class PolicyGate:
             refusal = Refusal(503, "audit_unavailable", "audit log not writable")
         self._count(st, "deny" if refusal else "allow", refusal.reason if refusal else decision.reason, "request")
         if refusal is not None:
-            self._respond_before_body(flow, st, refusal)
+            self._respond_before_body(flow, st, refusal, decision)
         else:
             flow.metadata["cubegate_t0"] = time.perf_counter()
 
-    def _respond_before_body(self, flow: http.HTTPFlow, st: ConnState, refusal: Refusal) -> None:
+    def _respond_before_body(self, flow: http.HTTPFlow, st: ConnState, refusal: Refusal,
+                             decision: Decision | None = None) -> None:
         """Refuse at the request head. mitmproxy still reads the request's body into memory
         before it answers, so the connection gets a small allowance for that body and is
         closed when the sandbox sends more (see _CountingReader)."""
         self._release_buffer(flow, "request")
         flow.request.stream = False
         flow.metadata.pop("cubegate_needles", None)
-        flow.response = self._deny_response(refusal.status, refusal.reason, refusal.detail)
+        flow.response = self._deny_response(refusal.status, refusal.reason, refusal.detail, st=st,
+                                            decision=decision)
         flow.metadata["cubegate_refused_early"] = True
         if st.refused_pending == 0:
             st.refused_allowance = self.body_limits.inspect_buffer_bytes
@@ -756,8 +837,38 @@ class PolicyGate:
                     reason=r.reason, extra={"stage": f"{what}_stream", "detail": r.detail})
         self._count(st, "deny", r.reason, "body")
 
+    def _agent_request(self, flow: http.HTTPFlow, st: ConnState) -> None:
+        """A request to cubegate.internal: plain HTTP on port 80, a small body of known length;
+        answered in request() once the body is in (by the sandbox's identity, nothing else)."""
+        st.kind = "agent"
+        length = _content_length(flow.request.headers)
+        limit = self.agent_endpoint.max_body
+        if flow.request.port != 80 or "transfer-encoding" in flow.request.headers or (length or 0) > limit:
+            self._audit("request", st, method=flow.request.method, path=_path_only(flow.request.path),
+                        decision="deny", reason="agent_request_refused", status=413)
+            self._respond_before_body(flow, st, Refusal(413, "agent_request_refused",
+                                                        f"port 80 and a Content-Length body of at most {limit} bytes"))
+            return
+        flow.request.stream = False
+        flow.metadata["cubegate_agent"] = True
+
+    def _agent_answer(self, flow: http.HTTPFlow) -> None:
+        st = self.conns.get(flow.client_conn.id)
+        if st is None or st.identity is None:
+            flow.response = self._deny_response(403, "connection_denied", "connection was refused")
+            return
+        status, doc = self.agent_endpoint.answer(st.identity, flow.request.method, flow.request.path,
+                                                 flow.request.raw_content or b"")
+        self._audit("request", st, scheme="http", method=flow.request.method, path=_path_only(flow.request.path),
+                    decision="allow" if status < 400 else "deny", reason="agent_endpoint", status=status)
+        flow.response = http.Response.make(status, (json.dumps(doc) + "\n").encode(), {
+            "Content-Type": "application/json", "Cache-Control": "no-store"})
+
     async def request(self, flow: http.HTTPFlow) -> None:
         """A held request body is complete: check it before anything goes upstream."""
+        if flow.metadata.pop("cubegate_agent", None) and flow.response is None:
+            self._agent_answer(flow)
+            return
         if flow.response is not None or flow.request.method == "CONNECT":
             return
         st = self.conns.get(flow.client_conn.id)
@@ -1000,6 +1111,13 @@ def _reframe_decoded(flow: http.HTTPFlow) -> None:
     headers.pop("content-length", None)
     if not flow.request.is_http2 and not flow.request.is_http3:
         headers["transfer-encoding"] = "chunked"
+
+
+def _is_agent_target(host: str) -> bool:
+    try:
+        return normalize_host(host) == AGENT_HOST
+    except ValueError:
+        return False
 
 
 def _canonical_host(h: str) -> str:

@@ -10,6 +10,7 @@ pool. Every call must be bounded in time (timeouts everywhere).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 
@@ -37,6 +38,11 @@ class SandboxSpec:
     limits: Limits = field(default_factory=Limits)
     env: dict[str, str] = field(default_factory=dict)     # placeholders only, never real secrets
     files: dict[str, bytes] = field(default_factory=dict)  # path relative to /workspace -> content
+    template: str | None = None         # root filesystem: a built template (None: the host's /usr)
+    seed_layer: str | None = None       # start from this snapshot's writable layer (clone, rollback)
+    seed_uid: int | None = None         # host uid that owns the files in seed_layer
+    seed_template_key: str | None = None    # the template build seed_layer sits on (must still be current)
+    seed_tokens: dict[str, str] = field(default_factory=dict)   # replaced in seed_layer's files (placeholders)
 
 
 @dataclass(frozen=True)
@@ -92,3 +98,13 @@ class Backend(Protocol):
 
     def destroy(self, h: Handle) -> None:
         """Kill everything, remove cgroups/sockets/files. Idempotent; never raises for 'already gone'."""
+
+    def snapshot_layer(self, h: Handle, dest: Path) -> dict:
+        """Copy the sandbox's writable layer (files, never processes) to `dest`, consistent
+        (the sandbox is frozen while it is copied). Returns {"template", "template_key",
+        "layer_uid"}. NotSupported where the backend cannot."""
+
+    def rollback(self, h: Handle, *, seed_layer: str, seed_uid: int | None, seed_template_key: str | None,
+                 seed_tokens: dict[str, str], limits: Limits) -> Handle:
+        """Stop the sandbox, replace its writable layer by a copy of `seed_layer`, start it
+        again: same id, network, host uid and env; new processes. Returns the new handle."""

@@ -2,7 +2,8 @@
 
 cgroup v1 (what these hosts run: one hierarchy per controller under
 /sys/fs/cgroup/<ctl>) and cgroup v2 (unified, controllers enabled at the root).
-Layout: <ctl>/cubegate/<sandbox id>. Paths are plain strings so they can live
+Layout: <ctl>/cubegate/<group>/<sandbox id>, group = the runtime instance
+(ids.instance_name of its state dir). Paths are plain strings so they can live
 in Handle.data and be used again after a daemon restart.
 """
 from __future__ import annotations
@@ -57,7 +58,7 @@ class SandboxCgroups:
 
     # -- creation -------------------------------------------------------------
     @classmethod
-    def create(cls, sandbox_id: str, limits: Limits, root: Path = ROOT) -> "SandboxCgroups":
+    def create(cls, sandbox_id: str, limits: Limits, root: Path = ROOT, *, group: str = "") -> "SandboxCgroups":
         version, why = detect(root)
         if version is None:
             raise SandboxError(why)
@@ -68,15 +69,17 @@ class SandboxCgroups:
                     base = root / c
                     if not (base / "cgroup.procs").exists():
                         continue
-                    d = base / PARENT / sandbox_id
+                    d = base / PARENT / group / sandbox_id if group else base / PARENT / sandbox_id
                     d.mkdir(parents=True, exist_ok=False)
                     cg.paths[c] = str(d)
                 cg._limits_v1(limits)
             else:
-                parent = root / PARENT
-                parent.mkdir(exist_ok=True)
                 _write(root / "cgroup.subtree_control", "+memory +pids +cpu")
-                _write(parent / "cgroup.subtree_control", "+memory +pids +cpu")
+                parent = root / PARENT
+                for level in (parent, parent / group) if group else (parent,):
+                    level.mkdir(exist_ok=True)
+                    _write(level / "cgroup.subtree_control", "+memory +pids +cpu")
+                    parent = level
                 d = parent / sandbox_id
                 d.mkdir(exist_ok=False)
                 cg.paths["unified"] = str(d)
@@ -142,6 +145,12 @@ class SandboxCgroups:
 
     def freeze(self, timeout: float = 5.0) -> None:
         self._set_frozen(True, timeout)
+
+    def frozen(self) -> bool:
+        """The kernel's view: freezer.state FROZEN (v1) / cgroup.events "frozen 1" (v2)."""
+        if self.version == "v1":
+            return (self._read("freezer", "freezer.state") or "").strip() == "FROZEN"
+        return "frozen 1" in (self._read("unified", "cgroup.events") or "")
 
     def thaw(self, timeout: float = 5.0) -> None:
         self._set_frozen(False, timeout)

@@ -11,6 +11,7 @@ only cubevs.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
@@ -24,14 +25,20 @@ from . import ids
 from .ids import SANDBOX_ID_RE  # noqa: F401 - re-exported (cubegate.runtime_api/runtime_models use it)
 from .backend import Backend, ExecResult, Handle, Limits, NotSupported, SandboxError, SandboxSpec
 from .capacity import Budget, CapacityError, admit, meminfo_mb, reserved
+from .idle import Activity
 from .metrics import RuntimeMetrics
+from .snapshots import SNAPSHOT_ID_RE, Snapshot, SnapshotNotFound, SnapshotStore, new_id, tree_size
 from .state import SandboxRecord, StateStore
 
 log = logging.getLogger("cubegate.runtime")
 
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+TEMPLATE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 MAX_ENV_BYTES = 256 * 1024
 MAX_FILES_BYTES = 32 * 1024 * 1024
+MAX_CLONES = 32              # per clone call
+PAUSED_CAPACITY = ("full", "memory")    # what a paused sandbox keeps reserved (settings.runtime.paused_capacity)
+NO_TRAFFIC_REASONS = frozenset({"arp"})  # the kernel's neighbour upkeep is no sign of use
 
 
 class NotFound(SandboxError):
@@ -62,6 +69,9 @@ class RuntimeHooks(Protocol):
 
     def forget(self, sandbox_id: str) -> None: ...
 
+    def set_network(self, sandbox_id: str, network: dict, actor: str) -> None:
+        """Per-sandbox network options ({allow, deny}): they only narrow what the policy allows."""
+
     def l4_allow(self, sandbox_id: str, labels: dict[str, str]) -> list: ...
 
     def placeholders(self, tenant: str, sandbox_id: str) -> dict[str, str]:
@@ -71,13 +81,18 @@ class RuntimeHooks(Protocol):
         """Secret ids whose real value occurs in `data` (placeholders are fine).
         Both raise Unavailable when they cannot tell (sealed vault): the caller refuses."""
 
+    def audit(self, record: dict) -> None:
+        """An admin audit record of something the runtime did by itself (auto-pause)."""
+
 
 class NoHooks:
     def register(self, sandbox_id, tenant, labels): pass
     def forget(self, sandbox_id): pass
+    def set_network(self, sandbox_id, network, actor): pass
     def l4_allow(self, sandbox_id, labels): return []
     def placeholders(self, tenant, sandbox_id): return {}
     def real_secrets_in(self, tenant, sandbox_id, data): return []
+    def audit(self, record): pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +105,9 @@ class CreateRequest:
     env: dict = dataclasses.field(default_factory=dict)
     files: dict = dataclasses.field(default_factory=dict)        # path under /workspace -> bytes
     secret_env: dict = dataclasses.field(default_factory=dict)   # ENV_NAME -> secret_id (gets its placeholder)
+    template: str | None = None     # root filesystem template (sandbox_runtime/templates); None: host /usr
+    network: dict | None = None      # {allow: [...], deny: [...]} (set before the sandbox can send a packet)
+    actor: str = "runtime"
 
 
 def placeholder_env(placeholders: dict[str, str], secret_env: dict[str, str]) -> dict[str, str]:
@@ -112,7 +130,7 @@ def validate_owner(req: CreateRequest) -> None:
 
 def request_strings(req: CreateRequest) -> list[str]:
     """Every string a create request carries into the sandbox, its records or an error message."""
-    out = [req.sandbox_id, req.tenant, str(req.backend)]
+    out = [req.sandbox_id, req.tenant, str(req.backend), str(req.template or "")]
     for mapping in (req.labels, req.env, req.secret_env):
         for k, v in mapping.items():
             out += [str(k), str(v)]
@@ -125,6 +143,9 @@ def validate_request(req: CreateRequest) -> None:
     validate_env(req.env)
     validate_files(req.files)
     validate_secret_env(req.secret_env)
+    if req.template is not None and (not isinstance(req.template, str)
+                                     or not TEMPLATE_NAME_RE.fullmatch(req.template)):
+        raise InvalidRequest(f"template must match {TEMPLATE_NAME_RE.pattern}")
 
 
 def validate_secret_env(secret_env: dict) -> None:
@@ -159,8 +180,19 @@ def validate_files(files: dict) -> None:
 class SandboxManager:
     def __init__(self, *, switch, backends: dict[str, Backend], state: StateStore, budget: Budget,
                  metrics: RuntimeMetrics | None = None, hooks: RuntimeHooks | None = None,
-                 meminfo: Callable[[], dict] = meminfo_mb):
+                 meminfo: Callable[[], dict] = meminfo_mb, pool=None, snapshots: SnapshotStore | None = None,
+                 max_snapshots: int = 100, auto_pause_seconds: float | None = None,
+                 paused_capacity: str = "full", activity: Activity | None = None):
+        if paused_capacity not in PAUSED_CAPACITY:
+            raise ValueError(f"paused_capacity must be one of {PAUSED_CAPACITY}")
         self.switch = switch
+        self.pool = pool            # netpool.SlotPool of prepared network slots (None: attach at create)
+        self.snapshots = snapshots  # None: snapshots, clones and rollback are refused (501)
+        self.max_snapshots = max_snapshots
+        self.auto_pause_seconds = auto_pause_seconds   # None: never paused for idleness
+        self.paused_capacity = paused_capacity
+        self.activity = activity or Activity()
+        self._wake_lock = threading.Lock()   # auto-pause vs. a call that uses the sandbox: one at a time
         self.backends = backends
         self.state = state
         self.budget = budget
@@ -172,14 +204,16 @@ class SandboxManager:
         self.metrics.bind(self)
 
     # ------------------------------------------------------------------ create
-    def create(self, req: CreateRequest) -> dict:
+    def create(self, req: CreateRequest, *, seed: dict | None = None) -> dict:
+        """`seed`: SandboxSpec seed_* fields (a clone starts from a snapshot's layer)."""
         validate_owner(req)
         placeholders = self.hooks.placeholders(req.tenant, req.sandbox_id)
         self._refuse_real_secrets(req.tenant, req.sandbox_id, request_strings(req),
                                   b"\n".join(req.files.values()), placeholders)
         validate_request(req)
         backend = self._backend(req.backend)
-        rec = SandboxRecord(req.sandbox_id, req.tenant, req.backend, dict(req.labels), req.limits)
+        rec = SandboxRecord(req.sandbox_id, req.tenant, req.backend, dict(req.labels), req.limits,
+                            template=req.template)
         with self._admit_lock:   # admission and claiming the id are one step
             try:
                 admit(self.budget, self._reserved(), self._footprint(req.backend, req.limits),
@@ -196,10 +230,14 @@ class SandboxManager:
             labels = {**req.labels, "tenant": req.tenant}
             self.hooks.register(req.sandbox_id, req.tenant, labels)
             registered = True
+            if req.network is not None:
+                self.hooks.set_network(req.sandbox_id, req.network, req.actor)
             env = {**req.env, **placeholder_env(placeholders, req.secret_env)}
-            net = self.switch.attach_sandbox(req.sandbox_id, l4_allow=self.hooks.l4_allow(req.sandbox_id, labels))
+            attach = self.pool.take if self.pool is not None else self.switch.attach_sandbox
+            net = attach(req.sandbox_id, l4_allow=self.hooks.l4_allow(req.sandbox_id, labels))
             attached = True
-            spec = SandboxSpec(req.sandbox_id, req.tenant, req.backend, req.limits, env, dict(req.files))
+            spec = SandboxSpec(req.sandbox_id, req.tenant, req.backend, req.limits, env, dict(req.files),
+                               template=req.template, **(seed or {}))
             handle = backend.create(spec, net.netns, ip=net.ip, gateway_ip=self.switch.gateway_ip)
             rec.handle, rec.ip, rec.state = handle, net.ip, "running"
             rec.start_ms = round((time.monotonic() - t0) * 1000, 1)
@@ -214,6 +252,7 @@ class SandboxManager:
             raise SandboxError(f"create failed: {e}") from e
         self.metrics.creations.labels(req.backend, "ok").inc()
         self.metrics.start_seconds.labels(req.backend).observe(time.monotonic() - t0)
+        self.activity.touch(req.sandbox_id)
         return rec.public()
 
     def _undo(self, rec, backend, handle, attached, registered) -> None:
@@ -258,8 +297,11 @@ class SandboxManager:
              secret_env: dict | None = None) -> dict:
         """Re-apply runtime state after start: the tenant's current placeholders (+ the given env)
         become the base env of later execs, the given files are (re)written. Same call, same result."""
-        rec = self._running(sandbox_id)
-        env, files, secret_env = env or {}, files or {}, secret_env or {}
+        with self._use(sandbox_id) as rec:
+            return self._init(rec, env or {}, files or {}, secret_env or {})
+
+    def _init(self, rec: SandboxRecord, env: dict, files: dict, secret_env: dict) -> dict:
+        sandbox_id = rec.id
         placeholders = self.hooks.placeholders(rec.tenant, sandbox_id)
         texts = [str(x) for m in (env, secret_env) for kv in m.items() for x in kv] + [str(p) for p in files]
         self._refuse_real_secrets(rec.tenant, sandbox_id, texts, b"\n".join(files.values()), placeholders)
@@ -269,6 +311,7 @@ class SandboxManager:
         full = {**env, **placeholder_env(placeholders, secret_env)}
         b = self._backend(rec.backend)
         b.set_env(rec.handle, full)
+        self.state.put_handle(rec.id, rec.handle)   # the backend may keep the env there (rollback restores it)
         for path, data in files.items():
             b.write_file(rec.handle, "/workspace/" + path, data)
         return {"id": sandbox_id, "env": sorted(full), "files": sorted(files)}
@@ -283,8 +326,10 @@ class SandboxManager:
             raise InvalidRequest("timeout must be in (0, 3600] seconds")
         if not isinstance(cwd, str) or "\0" in cwd:
             raise InvalidRequest("cwd must be a string without NUL")
-        rec = self._running(sandbox_id)
-        env = env or {}
+        with self._use(sandbox_id) as rec:
+            return self._exec(rec, argv, timeout, env or {}, stdin, cwd)
+
+    def _exec(self, rec: SandboxRecord, argv, timeout, env, stdin, cwd) -> ExecResult:
         # argv and cwd too: `sh -c 'echo <key> > f'` would put the key into the sandbox.
         self._refuse_real_secrets(rec.tenant, rec.id, [*argv, cwd, *(str(x) for kv in env.items() for x in kv)],
                                   stdin)
@@ -299,28 +344,255 @@ class SandboxManager:
         return res
 
     def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
-        rec = self._running(sandbox_id)
-        self._refuse_real_secrets(rec.tenant, rec.id, [path], data)
-        self._backend(rec.backend).write_file(rec.handle, path, data, mode)
+        with self._use(sandbox_id) as rec:
+            self._refuse_real_secrets(rec.tenant, rec.id, [path], data)
+            self._backend(rec.backend).write_file(rec.handle, path, data, mode)
 
     def read_file(self, sandbox_id: str, path: str) -> bytes:
-        rec = self._running(sandbox_id)
-        return self._backend(rec.backend).read_file(rec.handle, path)
+        with self._use(sandbox_id) as rec:
+            return self._backend(rec.backend).read_file(rec.handle, path)
 
+    def agent_call(self, sandbox_id: str, fn: Callable, *, texts: list[str] = (), data: bytes = b""):
+        """fn(AgentClient) on a running sandbox (agent 2 requests: streamed execs, signals,
+        filesystem). `texts`/`data`: what the request carries into the sandbox, checked for
+        real secret values first like every other way in."""
+        with self._use(sandbox_id) as rec:    # resumes an auto-paused sandbox; never paused mid-call
+            self._refuse_real_secrets(rec.tenant, rec.id, [str(t) for t in texts], data)
+            b = self._backend(rec.backend)
+            if not hasattr(b, "agent_call"):
+                raise NotSupported(f"backend {rec.backend} offers no direct agent calls")
+            return b.agent_call(rec.handle, fn)
+
+    # ------------------------------------------------------------------ pause (by API or when idle)
     def pause(self, sandbox_id: str) -> dict:
-        rec = self._running(sandbox_id)
+        with self._wake_lock:
+            rec = self.get_record(sandbox_id)
+            if rec.state == "paused" and rec.paused_by == "idle":
+                rec.paused_by = "api"       # stays paused until resumed by API, not by the next call
+                self.state.put(rec)
+                return rec.public()
+            rec = self._running(sandbox_id)
+            self._pause(rec, "api")
+            return rec.public()
+
+    def resume(self, sandbox_id: str) -> dict:
+        with self._wake_lock:
+            rec = self.get_record(sandbox_id)
+            if rec.state != "paused":
+                raise Conflict(f"sandbox {sandbox_id!r} is {rec.state}, not paused")
+            self._resume(rec)
+        self.activity.touch(sandbox_id)
+        return rec.public()
+
+    def _pause(self, rec: SandboxRecord, by: str) -> None:
         self._backend(rec.backend).pause(rec.handle)
-        rec.state = "paused"
+        rec.state, rec.paused_by = "paused", by
+        self.state.put(rec)
+
+    def _resume(self, rec: SandboxRecord) -> None:
+        if self.paused_capacity == "memory":    # its CPUs were free for others while it slept
+            with self._admit_lock:
+                others = [self._charge(r) for r in self.state.all() if r.state != "failed" and r.id != rec.id]
+                admit(self.budget, reserved(others), self._footprint(rec.backend, rec.limits), None)
+        self._backend(rec.backend).resume(rec.handle)
+        rec.state, rec.paused_by = "running", None
+        self.state.put(rec)
+
+    @contextlib.contextmanager
+    def _use(self, sandbox_id: str):
+        """A call that uses a running sandbox: wakes it if it was paused for idleness (audited),
+        and it is never paused while the call runs."""
+        with self._wake_lock:
+            rec = self.get_record(sandbox_id)
+            if rec.state == "paused" and rec.paused_by == "idle" and rec.handle is not None:
+                idle = self.activity.idle_for(sandbox_id)
+                self._resume(rec)
+                self.metrics.auto_resumes.labels(rec.backend).inc()
+                self._audit_auto("sandbox.auto_resume", rec, f"resumed by a call after {idle:.0f}s idle")
+            if rec.state != "running" or rec.handle is None:
+                raise Conflict(f"sandbox {sandbox_id!r} is {rec.state}")
+            self.activity.begin(sandbox_id)
+        try:
+            yield rec
+        finally:
+            self.activity.end(sandbox_id)
+
+    def auto_pause_tick(self) -> list[str]:
+        """Freeze every running sandbox idle for auto_pause_seconds (no call, no traffic).
+        Returns the ids paused now."""
+        if self.auto_pause_seconds is None:
+            return []
+        self.activity.traffic(self._traffic_totals())
+        running = [r.id for r in self.state.all() if r.state == "running" and r.handle is not None]
+        paused = []
+        for sid in self.activity.due(running, self.auto_pause_seconds):
+            with self._wake_lock:
+                rec = self.state.get(sid)
+                idle = self.activity.idle_for(sid)
+                if rec is None or rec.state != "running" or rec.handle is None or idle < self.auto_pause_seconds:
+                    continue            # used, paused or gone since the look above
+                try:
+                    self._pause(rec, "idle")
+                except SandboxError as e:   # NotSupported (no freezer), a dead VM: it stays running
+                    log.warning("sandbox %s: auto-pause failed: %s", sid, e)
+                    self.activity.touch(sid)    # not retried at every tick
+                    continue
+            self.metrics.auto_pauses.labels(rec.backend).inc()
+            self._audit_auto("sandbox.auto_pause", rec, f"idle {idle:.0f}s (no call, no traffic)")
+            paused.append(sid)
+        return paused
+
+    def _traffic_totals(self) -> dict[str, int]:
+        """Bytes each sandbox sent (every switch verdict but ARP), from the switch's counters."""
+        totals: dict[str, int] = {}
+        try:
+            counters = self.switch.counters()
+        except Exception as e:  # noqa: BLE001 - no traffic reading: nobody is paused for it
+            log.warning("auto-pause: cannot read the switch counters: %s", e)
+            raise SandboxError(f"switch counters unreadable: {e}") from None
+        for (sid, reason, _verdict), (_packets, nbytes) in counters.items():
+            if sid is not None and reason not in NO_TRAFFIC_REASONS:
+                totals[sid] = totals.get(sid, 0) + int(nbytes)
+        return totals
+
+    def _audit_auto(self, action: str, rec: SandboxRecord, reason: str) -> None:
+        try:
+            self.hooks.audit({"action": action, "actor": "runtime", "sandbox": rec.id, "tenant": rec.tenant,
+                              "outcome": "ok", "reason": reason})
+        except Exception as e:  # noqa: BLE001 - the pause itself happened; say so in the log
+            log.error("sandbox %s: cannot audit %s: %s", rec.id, action, e)
+
+    # ------------------------------------------------------------------ snapshots, clones, rollback
+    def _snapshot_store(self) -> SnapshotStore:
+        if self.snapshots is None:
+            raise NotSupported("snapshots are not configured")
+        return self.snapshots
+
+    def snapshot(self, sandbox_id: str, snapshot_id: str | None = None) -> dict:
+        """A copy of the sandbox's files (its writable layer); its processes are not kept."""
+        store = self._snapshot_store()
+        snapshot_id = snapshot_id or new_id(sandbox_id)
+        if not isinstance(snapshot_id, str) or not SNAPSHOT_ID_RE.fullmatch(snapshot_id):
+            raise InvalidRequest(f"snapshot id must match {SNAPSHOT_ID_RE.pattern}")
+        if len(store.list()) >= self.max_snapshots:
+            raise CapacityError(f"{self.max_snapshots} snapshots kept already (runtime.max_snapshots): "
+                                "remove some first")
+        with self._use(sandbox_id) as rec:
+            b = self._backend(rec.backend)
+            if not hasattr(b, "snapshot_layer"):
+                raise NotSupported(f"backend {rec.backend} has no snapshots")
+            tmp = store.begin(snapshot_id)
+            try:
+                info = b.snapshot_layer(rec.handle, tmp / "layer")
+                snap = Snapshot(id=snapshot_id, sandbox=rec.id, tenant=rec.tenant, backend=rec.backend,
+                                template=info["template"], template_key=info["template_key"], limits=rec.limits,
+                                layer_uid=info["layer_uid"], size_bytes=tree_size(tmp / "layer"),
+                                created=time.time())
+                store.commit(tmp, snap)
+            except BaseException:
+                store.abort(tmp)
+                raise
+        self.metrics.snapshots.labels(rec.backend).inc()
+        return snap.public()
+
+    def get_snapshot(self, snapshot_id: str) -> dict:
+        return self._get_snapshot(snapshot_id).public()
+
+    def _get_snapshot(self, snapshot_id: str) -> Snapshot:
+        try:
+            return self._snapshot_store().get(snapshot_id)
+        except SnapshotNotFound as e:
+            raise NotFound(str(e)) from None
+
+    def list_snapshots(self) -> list[dict]:
+        return [s.public() for s in self._snapshot_store().list()] if self.snapshots is not None else []
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        self._get_snapshot(snapshot_id)
+        self._snapshot_store().remove(snapshot_id)
+
+    def _seed(self, snap: Snapshot, sandbox_id: str) -> dict:
+        """What a sandbox started from `snap` gets: its layer, with the snapshotted sandbox's
+        placeholders replaced by this sandbox's own (the files then work for it, and it never
+        holds another sandbox's)."""
+        theirs = self.hooks.placeholders(snap.tenant, snap.sandbox)
+        ours = self.hooks.placeholders(snap.tenant, sandbox_id)
+        return {"seed_layer": str(self._snapshot_store().layer(snap.id)), "seed_uid": snap.layer_uid,
+                "seed_template_key": snap.template_key,
+                "seed_tokens": {theirs[s]: ours[s] for s in theirs if s in ours}}
+
+    def clone(self, snapshot_id: str, sandbox_ids: list[str], *, labels: dict | None = None,
+              env: dict | None = None, secret_env: dict | None = None, limits: Limits | None = None) -> list[dict]:
+        """Start one sandbox per id from the snapshot: each its own identity, address, placeholders
+        and policy (from its own id and labels), the snapshot's files and tenant. All or none."""
+        snap = self._get_snapshot(snapshot_id)
+        if not sandbox_ids or len(sandbox_ids) > MAX_CLONES or len(set(sandbox_ids)) != len(sandbox_ids):
+            raise InvalidRequest(f"ids: 1 to {MAX_CLONES} distinct sandbox ids")
+        made: list[str] = []
+        try:
+            for sid in sandbox_ids:
+                req = CreateRequest(sandbox_id=sid, tenant=snap.tenant, backend=snap.backend, labels=dict(labels or {}),
+                                    limits=limits or snap.limits, env=dict(env or {}),
+                                    secret_env=dict(secret_env or {}), template=snap.template)
+                made.append(self.create(req, seed=self._seed(snap, sid))["id"])
+        except BaseException:
+            for sid in made:
+                try:
+                    self.destroy(sid)
+                except Exception as e:  # noqa: BLE001
+                    log.error("clone of %s: cannot remove clone %s after a failure: %s", snapshot_id, sid, e)
+            raise
+        return [self.get_record(sid).public() for sid in made]
+
+    def rollback(self, sandbox_id: str, snapshot_id: str) -> dict:
+        """Stop the sandbox, replace its files by the snapshot's, start it again (same id, network,
+        identity and env; new processes)."""
+        snap = self._get_snapshot(snapshot_id)
+        with self._wake_lock:
+            rec = self.get_record(sandbox_id)
+            if rec.state not in ("running", "paused") or rec.handle is None:
+                raise Conflict(f"sandbox {sandbox_id!r} is {rec.state}")
+            if snap.tenant != rec.tenant:
+                raise InvalidRequest(f"snapshot {snapshot_id!r} belongs to another tenant")
+            if (snap.backend, snap.template) != (rec.backend, rec.template):
+                raise InvalidRequest(f"snapshot {snapshot_id!r} is of a {snap.backend} sandbox on template "
+                                     f"{snap.template!r}, not {rec.template!r}")
+            b = self._backend(rec.backend)
+            if not hasattr(b, "rollback"):
+                raise NotSupported(f"backend {rec.backend} has no rollback")
+            if rec.state == "paused":
+                self._resume(rec)           # it restarts anyway; and with paused_capacity "memory" its CPUs
+                                            # must be there again (429 otherwise), as for a resume
+            seed = self._seed(snap, rec.id)
+            before = rec.state
+            rec.state = "creating"          # meanwhile calls and destroy get 409; a crash: recover() cleans up
+            self.state.put(rec)
+            self.activity.begin(sandbox_id)
+        try:
+            handle = b.rollback(rec.handle, limits=rec.limits, **seed)
+        except BaseException as e:
+            if self._alive_with_retries(b, rec.handle, tries=1):
+                rec.state = before          # refused before anything was stopped (e.g. template rebuilt)
+                self.state.put(rec)
+            else:
+                self._fail(rec, f"rollback failed: {e}")
+            raise
+        finally:
+            self.activity.end(sandbox_id)
+        rec.handle, rec.state, rec.paused_by, rec.error = handle, "running", None, None
         self.state.put(rec)
         return rec.public()
 
-    def resume(self, sandbox_id: str) -> dict:
-        rec = self.get_record(sandbox_id)
-        if rec.state != "paused":
-            raise Conflict(f"sandbox {sandbox_id!r} is {rec.state}, not paused")
-        self._backend(rec.backend).resume(rec.handle)
-        rec.state = "running"
+    def _fail(self, rec: SandboxRecord, reason: str) -> None:
+        """The sandbox is gone (its backend cleaned up): release the rest, keep the record saying why."""
+        self._undo(rec, None, None, self.switch.sandbox(rec.id) is not None, True)
+        rec.state, rec.error, rec.handle, rec.paused_by = "failed", reason, None, None
         self.state.put(rec)
+
+    def set_network(self, sandbox_id: str, network: dict, actor: str) -> dict:
+        """Replace a running sandbox's network options; open connections they now refuse are closed."""
+        rec = self._running(sandbox_id)
+        self.hooks.set_network(sandbox_id, network, actor)
         return rec.public()
 
     # ------------------------------------------------------------------ destroy
@@ -336,6 +608,7 @@ class SandboxManager:
         self.hooks.forget(sandbox_id)
         self.state.delete(sandbox_id)
         self._usage_cache.pop(sandbox_id, None)
+        self.activity.forget(sandbox_id)
 
     # ------------------------------------------------------------------ read
     def get_record(self, sandbox_id: str) -> SandboxRecord:
@@ -378,8 +651,16 @@ class SandboxManager:
         extra = int(getattr(self.backends.get(backend), "memory_overhead_mb", 0))
         return dataclasses.replace(limits, memory_mb=limits.memory_mb + extra) if extra else limits
 
+    def _charge(self, r: SandboxRecord) -> Limits:
+        """What a sandbox holds of the budget: its footprint; paused with paused_capacity
+        "memory", no CPUs (its frozen processes still hold their memory)."""
+        fp = self._footprint(r.backend, r.limits)
+        if r.state == "paused" and self.paused_capacity == "memory":
+            return dataclasses.replace(fp, cpus=0.0)
+        return fp
+
     def _reserved(self):
-        return reserved([self._footprint(r.backend, r.limits) for r in self.state.all() if r.state != "failed"])
+        return reserved([self._charge(r) for r in self.state.all() if r.state != "failed"])
 
     # ------------------------------------------------------------------ restart
     def recover(self) -> dict:
@@ -453,7 +734,8 @@ class SandboxManager:
         except OSError:
             avail = None
         return {"counts": counts, "memory": memory, "budget": self.budget,
-                "reserved": reserved([self._footprint(r.backend, r.limits) for r in recs if r.state != "failed"]),
+                "reserved": reserved([self._charge(r) for r in recs if r.state != "failed"]),
+                "paused_by": _Counter((r.backend, r.paused_by or "api") for r in recs if r.state == "paused"),
                 "mem_available_mb": avail}
 
 

@@ -18,6 +18,11 @@ class RuntimeMetrics:
         self.creations = Counter("cubegate_sandbox_creations", "Sandbox creations by result",
                                  ["backend", "result"], registry=r)   # ok | capacity | error
         self.execs = Counter("cubegate_sandbox_execs", "Exec calls by result", ["backend", "result"], registry=r)
+        self.auto_pauses = Counter("cubegate_sandbox_auto_pauses", "Sandboxes frozen for idleness",
+                                   ["backend"], registry=r)
+        self.auto_resumes = Counter("cubegate_sandbox_auto_resumes", "Idle-paused sandboxes woken by a call",
+                                    ["backend"], registry=r)
+        self.snapshots = Counter("cubegate_sandbox_snapshots", "Snapshots taken", ["backend"], registry=r)
         self._manager = None
 
     def bind(self, manager) -> None:
@@ -40,7 +45,11 @@ class _Collector:
         used = GaugeMetricFamily("cubegate_host_reserved", "Budget reserved by live sandboxes' limits",
                                  labels=["resource"])
         avail = GaugeMetricFamily("cubegate_host_memory_available_bytes", "MemAvailable from /proc/meminfo")
+        paused = GaugeMetricFamily("cubegate_sandboxes_paused", "Paused sandboxes by who paused them (api | idle)",
+                                   labels=["backend", "by"])
         snap = self.m.snapshot_for_metrics()
+        for (backend, by), n in sorted(snap["paused_by"].items()):
+            paused.add_metric([backend, by], n)
         for (backend, state), n in sorted(snap["counts"].items()):
             live.add_metric([backend, state], n)
         for sid, backend, nbytes in snap["memory"]:
@@ -54,4 +63,4 @@ class _Collector:
         used.add_metric(["sandboxes"], u.sandboxes)
         if snap["mem_available_mb"] is not None:
             avail.add_metric([], snap["mem_available_mb"] * 1024 * 1024)
-        yield from (live, mem, cap, used, avail)
+        yield from (live, mem, cap, used, avail, paused)

@@ -39,6 +39,9 @@ from sandbox_runtime.agent.client import AgentClient, AgentError, unix_connector
 from sandbox_runtime.backend import ExecResult, Handle, NotSupported, SandboxError, SandboxSpec
 from sandbox_runtime.build_agent import BINARY as AGENT_BINARY
 from sandbox_runtime.cgroups import SandboxCgroups, detect
+from sandbox_runtime.templates import rootfs as tpl_rootfs
+from sandbox_runtime.templates import trust as tpl_trust
+from sandbox_runtime.templates.store import TemplateError, TemplateStore
 from sandbox_runtime.uids import sandbox_uid
 
 BWRAP = "/usr/bin/bwrap"
@@ -99,12 +102,34 @@ def bwrap_argv(*, sandbox_id: str, disk_mb: int, seccomp_fd: int, agent_fd: int,
     a += ["--proc", "/proc", "--dev", "/dev",
           "--size", str(disk_mb << 20), "--tmpfs", "/workspace",
           "--size", str(disk_mb << 20), "--tmpfs", "/tmp",
-          "--dir", "/etc", "--dir", "/etc/ssl/certs", "--dir", "/run"]
+          "--dir", "/etc", "--dir", "/etc/ssl/certs", "--dir", "/run",
+          "--symlink", "/workspace", "/home/user"]   # a writable home for E2B's default user
     for rel in host_etc:
         a += ["--ro-bind", f"/etc/{rel}", f"/etc/{rel}"]
     for rel, fd in etc_fds.items():
         a += ["--perms", "0644", "--ro-bind-data", str(fd), f"/etc/{rel}"]
     a += ["--dir", "/.cubegate", "--ro-bind-fd", str(agent_fd), AGENT_PATH,
+          "--remount-ro", "/", "--seccomp", str(seccomp_fd), "--chdir", "/workspace",
+          AGENT_PATH, "--listen-fd", str(listen_fd)]
+    return a
+
+
+def bwrap_template_argv(*, sandbox_id: str, root_fds: dict[str, int], disk_mb: int, seccomp_fd: int,
+                        agent_fd: int, listen_fd: int, env: dict[str, str]) -> list[str]:
+    """Like bwrap_argv, but / is the template overlay (rootfs.py): /etc and the trust files
+    are already in its upper layer; / is read-only, /workspace and /tmp (the sandbox's part
+    of the writable layer) are separate read-write binds. The overlay is passed as O_PATH
+    fds ({"/": fd, "/workspace": fd, "/tmp": fd}): the sandbox's uid need not reach the
+    (0700) state directory."""
+    a = [BWRAP, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+         "--disable-userns", "--uid", str(INNER_UID), "--gid", str(INNER_UID), "--hostname", sandbox_id,
+         "--new-session", "--cap-drop", "ALL", "--clearenv"]
+    for k, v in env.items():
+        a += ["--setenv", k, v]
+    for dest in ("/", "/workspace", "/tmp"):
+        a += ["--bind-fd", str(root_fds[dest]), dest]
+    a += ["--proc", "/proc", "--dev", "/dev", "--size", str(disk_mb << 20), "--tmpfs", "/dev/shm",
+          "--ro-bind-fd", str(agent_fd), AGENT_PATH,
           "--remount-ro", "/", "--seccomp", str(seccomp_fd), "--chdir", "/workspace",
           AGENT_PATH, "--listen-fd", str(listen_fd)]
     return a
@@ -188,8 +213,13 @@ class NamespaceBackend:
     name = "namespace"
 
     def __init__(self, state_dir: Path, ca_bundle: Path | None = None, *, host_uid: int | None = None,
-                 agent_binary: Path = AGENT_BINARY, start_timeout: float = START_TIMEOUT_S):
+                 agent_binary: Path = AGENT_BINARY, start_timeout: float = START_TIMEOUT_S,
+                 templates: TemplateStore | None = None, roots_dir: Path | None = None):
         self.state_dir = Path(state_dir)
+        self.instance = ids.instance_name(self.state_dir)   # host-wide names are per runtime instance
+        # template overlays: <roots_dir>/<sandbox id>/{rw,root}
+        self.roots_dir = Path(roots_dir) if roots_dir else tpl_rootfs.ROOTS_DIR / self.instance
+        self.templates = templates      # None: only template-less sandboxes (the host's /usr)
         self.ca_bundle = Path(ca_bundle) if ca_bundle else None
         self.host_uid = host_uid    # None: one uid per sandbox (uids.sandbox_uid)
         self.agent_binary = Path(agent_binary)
@@ -225,6 +255,7 @@ class NamespaceBackend:
         if not ok:
             raise SandboxError(why)
         files = {self._workspace_path(rel): content for rel, content in spec.files.items()}   # refuse early
+        tpl = self._template(spec.template) if spec.template else None
         sdir = self.state_dir / sid
         if len(str(sdir / "agent.sock").encode()) > 107:
             raise SandboxError(f"state dir path too long for a unix socket: {self.state_dir}")
@@ -235,10 +266,18 @@ class NamespaceBackend:
             raise SandboxError(f"sandbox {sid} already exists") from None
         h = Handle(sandbox_id=sid, backend=self.name, netns=netns,
                    data={"state_dir": str(sdir), "socket": str(sdir / "agent.sock"),
-                         "host_uid": self.host_uid if self.host_uid is not None else sandbox_uid(ip)})
+                         "host_uid": self.host_uid if self.host_uid is not None else sandbox_uid(ip),
+                         "ip": ip, "gateway_ip": gateway_ip, "env": dict(spec.env)})   # for rollback
+        if tpl is not None and spec.seed_template_key is not None and spec.seed_template_key != tpl.key:
+            shutil.rmtree(sdir, ignore_errors=True)
+            raise SandboxError(f"template {tpl.name!r} was rebuilt since the snapshot was taken "
+                               "(its layer belongs to the old build)")
+        if tpl is not None:
+            h.data["template"] = {"name": tpl.name, "key": tpl.key, "env": tpl.env, "tools": tpl.tools,
+                                  "lower": str(tpl.rootfs)}
         cg = None
         try:
-            cg = SandboxCgroups.create(sid, spec.limits)
+            cg = SandboxCgroups.create(sid, spec.limits, group=self.instance)
             h.data["cgroups"] = cg.to_json()
             # Written before anything runs (and again with the pids): if the daemon dies mid-create,
             # list() still finds what to reap (Manager.recover destroys handles without a record).
@@ -246,7 +285,8 @@ class NamespaceBackend:
             self._spawn(h, spec, cg, gateway_ip)
             _save_handle(sdir, h)
             client = self._client(h)
-            client.set_env({**base_env(sid), **spec.env})
+            client.set_env(self._base_env(h, spec.env))
+            self._run_trust_script(h, client)
             for path, content in files.items():
                 client.write_file(path, content)
             return h
@@ -266,6 +306,65 @@ class NamespaceBackend:
         if not parts or ".." in parts:
             raise SandboxError(f"invalid file path {rel!r} (relative to /workspace, no '..')")
         return "/workspace/" + "/".join(parts)
+
+    def _template(self, name: str):
+        if self.templates is None:
+            raise SandboxError("templates are not configured for this backend")
+        try:
+            return self.templates.resolve(name)
+        except TemplateError as e:
+            raise SandboxError(str(e)) from None
+
+    def _base_env(self, h: Handle, env: dict[str, str]) -> dict[str, str]:
+        tpl = h.data.get("template")
+        if not tpl:
+            return {**base_env(h.sandbox_id), **env}
+        return {**base_env(h.sandbox_id), **tpl_trust.trust_env(tpl["tools"]), **tpl["env"], **env}
+
+    def _extra_ca_pem(self) -> bytes:
+        if not self.ca_bundle:
+            return b""
+        try:
+            return self.ca_bundle.read_bytes()
+        except OSError as e:
+            raise SandboxError(f"cannot read CA bundle: {e.strerror}") from None
+
+    def _run_trust_script(self, h: Handle, client: AgentClient) -> None:
+        """NSS / Java stores live in the sandbox's $HOME: made by the sandbox user, after start."""
+        tpl = h.data.get("template")
+        if not tpl:
+            return
+        script = tpl_trust.trust_script(tpl["tools"], len(tpl_trust.split_pem(self._extra_ca_pem())))
+        if script is None:
+            return
+        r = client.exec(["sh", "-c", script], timeout=20.0)
+        if r.exit_code != 0:
+            raise SandboxError(f"trusting the gateway CA failed (exit {r.exit_code}): "
+                               f"{r.stderr.decode(errors='replace')[-300:]}")
+
+    def _template_root(self, h: Handle, spec: SandboxSpec, gateway_ip: str) -> str:
+        """Mount the template overlay with /etc and the trust files in its writable layer."""
+        tpl, sdir = h.data["template"], Path(h.data["state_dir"])
+        mdir = self.roots_dir / h.sandbox_id
+        lower = Path(tpl["lower"])
+        try:
+            tpl_bundle = (lower / "etc/ssl/certs/ca-certificates.crt").read_bytes()
+        except OSError:
+            tpl_bundle = b""
+        files = {"/etc/" + rel: data for rel, data in etc_files(h.sandbox_id, gateway_ip, b"").items()}
+        files.update(tpl_trust.trust_files(tpl_bundle, self._extra_ca_pem()))
+        h.data["rootfs"] = str(mdir)
+        _save_handle(sdir, h)     # a crash from here on still finds the mounts to release
+        try:
+            return str(tpl_rootfs.prepare(mdir, lower, disk_mb=spec.limits.disk_mb, uid=h.data["host_uid"],
+                                          files=files, seed_upper=Path(spec.seed_layer) if spec.seed_layer else None,
+                                          seed_uid=spec.seed_uid, seed_tokens=spec.seed_tokens))
+        except tpl_rootfs.RootfsError as e:
+            raise SandboxError(str(e)) from None
+
+    def layer_dir(self, h: Handle) -> Path | None:
+        """The sandbox's writable layer (template sandboxes only): what a snapshot copies."""
+        return tpl_rootfs.upper_dir(Path(h.data["rootfs"])) if h.data.get("rootfs") else None
 
     def _ca_pem(self) -> bytes:
         pem = HOST_CA_BUNDLE.read_bytes() if HOST_CA_BUNDLE.exists() else b""
@@ -292,15 +391,25 @@ class NamespaceBackend:
                 os.lseek(fd, 0, os.SEEK_SET)
                 return fd
 
-            etc_fds = {rel: memfd(rel.replace("/", "_"), data)
-                       for rel, data in etc_files(sid, gateway_ip, self._ca_pem()).items()}
             seccomp_fd = memfd("seccomp", self._seccomp)
             agent_fd = os.open(self.agent_binary, os.O_PATH | os.O_CLOEXEC)
             fds.append(agent_fd)
-            host_etc = [rel for rel in HOST_ETC if os.path.lexists(f"/etc/{rel}")]
-            argv = bwrap_argv(sandbox_id=sid, disk_mb=spec.limits.disk_mb, seccomp_fd=seccomp_fd,
-                              agent_fd=agent_fd, listen_fd=listener.fileno(), etc_fds=etc_fds,
-                              host_etc=host_etc, usr_links=_usr_links(), env=base_env(sid))
+            if h.data.get("template"):
+                root = self._template_root(h, spec, gateway_ip)
+                root_fds = {}
+                for dest in ("/", "/workspace", "/tmp"):
+                    root_fds[dest] = os.open(root + dest, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                    fds.append(root_fds[dest])
+                argv = bwrap_template_argv(sandbox_id=sid, root_fds=root_fds,
+                                           disk_mb=spec.limits.disk_mb, seccomp_fd=seccomp_fd, agent_fd=agent_fd,
+                                           listen_fd=listener.fileno(), env=self._base_env(h, {}))
+            else:
+                etc_fds = {rel: memfd(rel.replace("/", "_"), data)
+                           for rel, data in etc_files(sid, gateway_ip, self._ca_pem()).items()}
+                host_etc = [rel for rel in HOST_ETC if os.path.lexists(f"/etc/{rel}")]
+                argv = bwrap_argv(sandbox_id=sid, disk_mb=spec.limits.disk_mb, seccomp_fd=seccomp_fd,
+                                  agent_fd=agent_fd, listen_fd=listener.fileno(), etc_fds=etc_fds,
+                                  host_etc=host_etc, usr_links=_usr_links(), env=base_env(sid))
             launch = [str(self.agent_binary), "--launch"]
             for f in cg.procs_files():
                 launch += ["--cgroup", f]
@@ -367,8 +476,49 @@ class NamespaceBackend:
     def read_file(self, h: Handle, path: str, max_bytes: int = 16 << 20) -> bytes:
         return self._client(h).read_file(path, max_bytes)
 
+    def agent_call(self, h: Handle, fn):
+        """fn(AgentClient) for requests beyond exec/files (agent 2: streams, signals, fs)."""
+        return fn(self._client(h))
+
     def set_env(self, h: Handle, env: dict[str, str]) -> None:
-        self._client(h).set_env({**base_env(h.sandbox_id), **env})
+        self._client(h).set_env(self._base_env(h, env))
+        h.data["env"] = dict(env)       # placeholders and plain values only (the manager checked them)
+        _save_handle(Path(h.data["state_dir"]), h)
+
+    # ------------------------------------------------------------ snapshots
+    def snapshot_layer(self, h: Handle, dest: Path) -> dict:
+        layer = self.layer_dir(h)
+        if layer is None:
+            raise NotSupported("snapshots of namespace sandboxes copy their template's writable layer; this "
+                               "sandbox runs on the host's /usr (create it with a template)")
+        cg = self._cg(h)
+        if cg is None or not cg.can_freeze():
+            raise NotSupported("no freezer cgroup on this host: a consistent copy is not possible")
+        was_frozen = cg.frozen()
+        cg.freeze()                       # a point-in-time copy: nothing writes while it is taken
+        try:
+            tpl_rootfs.copy_layer(layer, dest, from_uid=None, to_uid=h.data["host_uid"])
+        except tpl_rootfs.RootfsError as e:
+            raise SandboxError(str(e)) from None
+        finally:
+            if not was_frozen:
+                cg.thaw()
+        tpl = h.data["template"]
+        return {"template": tpl["name"], "template_key": tpl["key"], "layer_uid": h.data["host_uid"]}
+
+    def rollback(self, h: Handle, *, seed_layer: str, seed_uid: int | None, seed_template_key: str | None,
+                 seed_tokens: dict[str, str], limits) -> Handle:
+        tpl = h.data.get("template")
+        if not tpl or "ip" not in h.data:
+            raise NotSupported("rollback needs a template sandbox (its writable layer is what is restored)")
+        if seed_template_key is not None and self._template(tpl["name"]).key != seed_template_key:
+            raise SandboxError(f"template {tpl['name']!r} was rebuilt since the snapshot was taken "
+                               "(its layer belongs to the old build)")
+        spec = SandboxSpec(h.sandbox_id, "", self.name, limits, dict(h.data.get("env", {})), {},
+                           template=tpl["name"], seed_layer=seed_layer, seed_uid=seed_uid,
+                           seed_template_key=seed_template_key, seed_tokens=seed_tokens)
+        self.destroy(h)                   # processes and the old layer go; the network stays attached
+        return self.create(spec, h.netns, ip=h.data["ip"], gateway_ip=h.data["gateway_ip"])
 
     def pause(self, h: Handle) -> None:
         cg = self._cg(h)
@@ -407,6 +557,9 @@ class NamespaceBackend:
             for child in _children_of(pid):
                 with suppress(ProcessLookupError):
                     os.kill(child, signal.SIGKILL)
+            if cg is not None and cg.can_freeze() and cg.frozen():
+                with suppress(OSError, SandboxError):
+                    cg.thaw()       # a paused sandbox: the killed tasks die only once thawed
             self._wait_exit(pid, start, proc, timeout=2.0)
         # whatever is left in the cgroups (bwrap itself if it hung, anything that escaped)
         killed = cg.kill_all() if cg is not None else set()
@@ -419,6 +572,11 @@ class NamespaceBackend:
             cg.kill_all()        # last resort: something appeared between kill and rmdir
             cg.remove()
         sdir = h.data.get("state_dir")
+        if h.data.get("rootfs"):
+            try:
+                tpl_rootfs.release(Path(h.data["rootfs"]))
+            except tpl_rootfs.RootfsError as e:   # never delete files under a live mount
+                raise SandboxError(f"sandbox {h.sandbox_id}: {e}") from None
         if sdir and Path(sdir).parent == self.state_dir:
             shutil.rmtree(sdir, ignore_errors=True)
 

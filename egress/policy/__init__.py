@@ -10,7 +10,7 @@ from .builtins import BUILTIN_DENIED_CIDRS, BUILTIN_DENIED_DOMAINS
 from .compiled import CompiledPolicy, CompiledPolicySet
 from .errors import ErrorItem, PolicyError
 from .hosts import HostPattern, InvalidHost, InvalidPath, normalize_host, normalize_path, parse_host_pattern
-from .loader import load_policy_dir, load_policy_files, parse_policy_text
+from .loader import load_policy_dir, load_policy_files, parse_policy_document, parse_policy_text
 from .model import AppliesTo, Decision, GlobalDenies, Match, Policy, RequestInfo, Rule
 from .reload import PolicyStore, ReloadResult
 
@@ -38,5 +38,6 @@ __all__ = [
     "normalize_host",
     "normalize_path",
     "parse_host_pattern",
+    "parse_policy_document",
     "parse_policy_text",
 ]

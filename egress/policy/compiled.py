@@ -187,6 +187,7 @@ class CompiledPolicy:
     """One policy, indexed. Immutable after construction."""
 
     def __init__(self, policy: Policy):
+        self.policy = policy   # the source, kept so a set can be rebuilt with other policies
         self.name = policy.name
         self.mode = policy.mode
         self.default = policy.default

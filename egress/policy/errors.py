@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -19,6 +20,14 @@ class ErrorItem:
         return f"{where}: {self.field}: {self.message}" if self.field else f"{where}: {self.message}"
 
 
+def json_pointer(field: str) -> str:
+    """``rules[0].match.hosts[1]`` -> ``/rules/0/match/hosts/1`` (RFC 6901); "" for the document."""
+    if not field or field == "(top level)":
+        return ""
+    parts = re.findall(r"[^.\[\]]+", field)
+    return "".join("/" + p.replace("~", "~0").replace("/", "~1") for p in parts)
+
+
 class PolicyError(Exception):
     """A policy file (or set of files) is invalid.
 
@@ -31,3 +40,7 @@ class PolicyError(Exception):
             items = [items]
         self.items: tuple[ErrorItem, ...] = tuple(items)
         super().__init__("\n".join(str(i) for i in self.items))
+
+    def pointers(self) -> list[dict]:
+        """For an API body: every problem as {pointer, message} (JSON pointer instead of file:line)."""
+        return [{"pointer": json_pointer(i.field), "message": i.message} for i in self.items]

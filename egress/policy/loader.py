@@ -475,6 +475,31 @@ def parse_policy_text(text: str, file: str) -> tuple[list[Policy], GlobalDenies]
     return policies, globals_
 
 
+def parse_policy_document(text: str, source: str, *, name: str) -> Policy:
+    """One policy given on its own (the policy API): the keys of a single-policy file, no
+    ``global:`` or ``policies:``; ``name`` is the document's name (a ``name:`` key must agree).
+    JSON is YAML, so a JSON body gets the same checks and messages as a file.
+    Raises PolicyError (fields turn into JSON pointers with PolicyError.pointers())."""
+    r = _Reader(source)
+    try:
+        root = yaml.compose(text, Loader=_NoAliasLoader)
+    except yaml.YAMLError as exc:
+        raise PolicyError(_yaml_error(source, exc)) from None
+    if root is None:
+        raise PolicyError(ErrorItem(source, 1, "", "body is empty; expected a policy (rules, default, ...)"))
+    top = r.mapping(root, "", POLICY_KEYS)
+    if top is None:
+        raise PolicyError(r.errors)
+    if "name" in top and isinstance(top["name"][1], yaml.ScalarNode) and top["name"][1].value != name:
+        r.err(top["name"][1], "name", f"{top['name'][1].value!r} differs from the policy's name {name!r}")
+    if not _NAME_RE.match(name):
+        r.err(root, "name", f"{name!r}: use letters, digits, '-', '_', '.', ':' (max 128)")
+    policy = _policy(r, top, root, "", name)
+    if r.errors or policy is None:
+        raise PolicyError(r.errors)
+    return policy
+
+
 def load_policy_files(paths: Iterable[str | os.PathLike]) -> CompiledPolicySet:
     """Load, validate and compile the given files (in the given order).
     Raises PolicyError with every problem in every file."""

@@ -15,7 +15,9 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <dirent.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <limits.h>
 #include <poll.h>
 #include <signal.h>
@@ -33,7 +35,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define AGENT_VERSION "cubegate-agent 1"
+#define AGENT_VERSION "cubegate-agent 2"
 #define MAX_FRAME (16u << 20)
 #define MAX_STREAM (16u << 20)
 #define CHUNK 65536
@@ -363,6 +365,9 @@ static void handle_exec(int sock, char *p, uint32_t len) {
         _exit(e == ENOENT ? 127 : 126);
     }
     close(in[0]); close(out[1]); close(err[1]);
+    char pidmsg[32];
+    int pidlen = snprintf(pidmsg, sizeof pidmsg, "%d%c", (int)pid, 0);
+    send_frame(sock, 'S', pidmsg, (size_t)pidlen);   /* the pid (= its process group) for 'K' */
     int pfd = pidfd_open_(pid);
     int stdin_fd = in[1];
     set_nonblock(stdin_fd);
@@ -451,6 +456,189 @@ static void handle_exec(int sock, char *p, uint32_t len) {
     send_frame(sock, 'X', x, (size_t)xl);
 }
 
+/* ---------- 'K' 'T' 'L' 'M' 'N' 'U' 'A' 'H' (process signals, filesystem) ---------- */
+
+static void handle_signal(int fd, char *p, uint32_t len) {
+    char *f[2];
+    int ok1, ok2;
+    if (split_fields(p, len, f, 2, NULL) != 2) { send_str(fd, 'F', "bad signal request"); return; }
+    long pid = parse_long(f[0], 10, &ok1), sig = parse_long(f[1], 10, &ok2);
+    if (!ok1 || !ok2 || pid < 2 || pid > INT_MAX || sig < 1 || sig > 64) { send_str(fd, 'F', "bad pid or signal"); return; }
+    /* the exec's child leads its own group (setsid): signal all of it, or the lone pid */
+    if (kill(-(pid_t)pid, (int)sig) < 0 && kill((pid_t)pid, (int)sig) < 0) { send_errno(fd, "kill"); return; }
+    send_frame(fd, 'k', NULL, 0);
+}
+
+/* One entry record: name type is_link size mode mtime_s mtime_ns uid gid target (10 fields). */
+struct buf { char *p; size_t len, cap; int full; };
+
+static void buf_add(struct buf *b, const char *s, size_t n) {
+    if (b->full) return;
+    if (b->len + n + 1 > MAX_FRAME) { b->full = 1; return; }
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap * 2 : 65536;
+        while (cap < b->len + n + 1) cap *= 2;
+        char *q = realloc(b->p, cap);
+        if (!q) { b->full = 1; return; }
+        b->p = q; b->cap = cap;
+    }
+    memcpy(b->p + b->len, s, n);
+    b->p[b->len + n] = 0;
+    b->len += n + 1;
+}
+
+static void buf_num(struct buf *b, long long v) { char t[32]; buf_add(b, t, (size_t)snprintf(t, sizeof t, "%lld", v)); }
+
+static int add_entry(struct buf *b, const char *name, const char *full) {
+    struct stat lst, st;
+    if (lstat(full, &lst) < 0) return -1;
+    int is_link = S_ISLNK(lst.st_mode);
+    int resolved = is_link ? stat(full, &st) == 0 : (st = lst, 1);
+    const struct stat *s = resolved ? &st : &lst;
+    const char *type = S_ISDIR(s->st_mode) ? "d" : S_ISREG(s->st_mode) ? "f" : (is_link && !resolved) ? "l" : "o";
+    char target[PATH_MAX] = "";
+    if (is_link) { ssize_t n = readlink(full, target, sizeof target - 1); target[n > 0 ? n : 0] = 0; }
+    buf_add(b, name, strlen(name));
+    buf_add(b, type, 1);
+    buf_add(b, is_link ? "1" : "0", 1);
+    buf_num(b, (long long)s->st_size);
+    buf_num(b, (long long)(s->st_mode & 07777));
+    buf_num(b, (long long)s->st_mtim.tv_sec);
+    buf_num(b, (long long)s->st_mtim.tv_nsec);
+    buf_num(b, (long long)s->st_uid);
+    buf_num(b, (long long)s->st_gid);
+    buf_add(b, target, strlen(target));
+    return 0;
+}
+
+static void handle_stat(int fd, char *p, uint32_t len) {
+    char *f[1];
+    if (split_fields(p, len, f, 1, NULL) != 1 || !f[0][0]) { send_str(fd, 'F', "bad stat request"); return; }
+    struct buf b = {0};
+    if (add_entry(&b, f[0], f[0]) < 0) { free(b.p); send_errno(fd, "stat"); return; }
+    send_frame(fd, 'D', b.p, b.len);
+    free(b.p);
+}
+
+/* depth 1: the directory's entries; n: n levels below. Entries named relative to the root. */
+static int list_dir(struct buf *b, const char *root, const char *rel, int depth) {
+    char dir[PATH_MAX];
+    if (snprintf(dir, sizeof dir, "%s%s%s", root, rel[0] ? "/" : "", rel) >= (int)sizeof dir) return 0;
+    DIR *d = opendir(dir);
+    if (!d) return -1;
+    struct dirent *e;
+    while ((e = readdir(d)) && !b->full) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        char name[PATH_MAX], full[PATH_MAX];
+        if (snprintf(name, sizeof name, "%s%s%s", rel, rel[0] ? "/" : "", e->d_name) >= (int)sizeof name) continue;
+        if (snprintf(full, sizeof full, "%s/%s", root, name) >= (int)sizeof full) continue;
+        if (add_entry(b, name, full) < 0) continue;   /* vanished meanwhile */
+        struct stat lst;
+        if (depth > 1 && lstat(full, &lst) == 0 && S_ISDIR(lst.st_mode)) list_dir(b, root, name, depth - 1);
+    }
+    closedir(d);
+    return 0;
+}
+
+static void handle_list(int fd, char *p, uint32_t len) {
+    char *f[2];
+    int ok;
+    if (split_fields(p, len, f, 2, NULL) != 2 || !f[0][0]) { send_str(fd, 'F', "bad list request"); return; }
+    long depth = parse_long(f[1], 10, &ok);
+    if (!ok || depth < 1 || depth > 64) { send_str(fd, 'F', "bad depth"); return; }
+    struct stat st;
+    if (stat(f[0], &st) < 0) { send_errno(fd, "stat"); return; }
+    if (!S_ISDIR(st.st_mode)) { send_str(fd, 'F', "not a directory"); return; }
+    struct buf b = {0};
+    if (list_dir(&b, f[0], "", (int)depth) < 0) { free(b.p); send_errno(fd, "opendir"); return; }
+    if (b.full) { free(b.p); send_str(fd, 'F', "listing too large"); return; }
+    send_frame(fd, 'D', b.p, b.len);
+    free(b.p);
+}
+
+static void handle_mkdir(int fd, char *p, uint32_t len) {
+    char *f[1];
+    if (split_fields(p, len, f, 1, NULL) != 1 || !f[0][0]) { send_str(fd, 'F', "bad mkdir request"); return; }
+    struct stat st;
+    if (stat(f[0], &st) == 0) {
+        if (S_ISDIR(st.st_mode)) { send_str(fd, 'k', "0"); return; }   /* already there */
+        errno = EEXIST; send_errno(fd, "mkdir"); return;
+    }
+    if (mkdirs(f[0]) < 0 || (mkdir(f[0], 0755) < 0 && errno != EEXIST)) { send_errno(fd, "mkdir"); return; }
+    send_str(fd, 'k', "1");
+}
+
+static void handle_rename(int fd, char *p, uint32_t len) {
+    char *f[2];
+    if (split_fields(p, len, f, 2, NULL) != 2 || !f[0][0] || !f[1][0]) { send_str(fd, 'F', "bad rename request"); return; }
+    if (rename(f[0], f[1]) < 0) { send_errno(fd, "rename"); return; }
+    send_frame(fd, 'k', NULL, 0);
+}
+
+static int rm_one(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+    (void)st; (void)ftw;
+    return (flag == FTW_DP ? rmdir(path) : unlink(path)) < 0 && errno != ENOENT ? -1 : 0;
+}
+
+static void handle_remove(int fd, char *p, uint32_t len) {
+    char *f[1];
+    if (split_fields(p, len, f, 1, NULL) != 1 || !f[0][0]) { send_str(fd, 'F', "bad remove request"); return; }
+    struct stat st;
+    if (lstat(f[0], &st) < 0) { send_errno(fd, "remove"); return; }
+    int rc = S_ISDIR(st.st_mode) ? nftw(f[0], rm_one, 32, FTW_DEPTH | FTW_PHYS) : unlink(f[0]);
+    if (rc < 0) { send_errno(fd, "remove"); return; }
+    send_frame(fd, 'k', NULL, 0);
+}
+
+static void handle_write_at(int fd, char *p, uint32_t len) {
+    char *f[2];
+    uint32_t used;
+    int ok;
+    if (split_fields(p, len, f, 2, &used) != 2 || !f[0][0]) { send_str(fd, 'F', "bad write-at request"); return; }
+    long long off = strtoll(f[1], NULL, 10);
+    (void)ok;
+    if (off < 0) { send_str(fd, 'F', "bad offset"); return; }
+    int out = open(f[0], O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (out < 0) { send_errno(fd, "open"); return; }
+    const char *d = p + used;
+    size_t n = len - used;
+    while (n > 0) {
+        ssize_t w = pwrite(out, d, n, (off_t)off);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) { send_errno(fd, "write"); close(out); return; }
+        d += w; n -= (size_t)w; off += w;
+    }
+    close(out);
+    send_frame(fd, 'k', NULL, 0);
+}
+
+static void handle_read_at(int fd, char *p, uint32_t len) {
+    char *f[3];
+    int ok;
+    if (split_fields(p, len, f, 3, NULL) != 3) { send_str(fd, 'F', "bad read-at request"); return; }
+    long long off = strtoll(f[1], NULL, 10);
+    long max = parse_long(f[2], 10, &ok);
+    if (off < 0 || !ok || max < 0) { send_str(fd, 'F', "bad offset or max_bytes"); return; }
+    if (max > (long)MAX_FRAME) max = MAX_FRAME;
+    int in = open(f[0], O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    if (in < 0) { send_errno(fd, "open"); return; }
+    struct stat st;
+    if (fstat(in, &st) < 0 || !S_ISREG(st.st_mode)) { close(in); send_str(fd, 'F', "not a regular file"); return; }
+    char *buf = malloc((size_t)max + 1);
+    if (!buf) { close(in); send_str(fd, 'F', "out of memory"); return; }
+    size_t got = 0;
+    while (got < (size_t)max) {
+        ssize_t r = pread(in, buf + got, (size_t)max - got, (off_t)(off + (long long)got));
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) { send_errno(fd, "read"); free(buf); close(in); return; }
+        if (r == 0) break;
+        got += (size_t)r;
+    }
+    close(in);
+    send_frame(fd, 'D', buf, got);
+    free(buf);
+}
+
 /* ---------- dispatch ---------- */
 
 /* Returns 0 to keep the connection, -1 to close it. */
@@ -461,6 +649,14 @@ static int dispatch(int fd, char type, char *p, uint32_t len) {
     case 'E': handle_exec(fd, p, len); return 0;
     case 'W': handle_write(fd, p, len); return 0;
     case 'G': handle_read(fd, p, len); return 0;
+    case 'K': handle_signal(fd, p, len); return 0;
+    case 'T': handle_stat(fd, p, len); return 0;
+    case 'L': handle_list(fd, p, len); return 0;
+    case 'M': handle_mkdir(fd, p, len); return 0;
+    case 'N': handle_rename(fd, p, len); return 0;
+    case 'U': handle_remove(fd, p, len); return 0;
+    case 'A': handle_write_at(fd, p, len); return 0;
+    case 'H': handle_read_at(fd, p, len); return 0;
     }
     /* Serial mode: stdin frames of an exec that was already answered (it failed early, or
      * its 'i' came after the wait in await_stdin_eof) are not requests: ignore them, an 'F'
@@ -498,7 +694,7 @@ static int serve_listener(int lfd) {
         setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
         char t; char *p; uint32_t l;
         if (recv_frame(c, &t, &p, &l) < 0) { close(c); continue; }
-        if (t == 'P' || t == 'V' || !strchr("EWG", t)) {
+        if (t == 'P' || t == 'V' || !strchr("EWGKTLMNUAH", t)) {
             dispatch(c, t, p, l);
             free(p);
             close(c);

@@ -19,6 +19,7 @@ from sandbox_runtime.backend import ExecResult, SandboxError
 MAX_FRAME = 16 << 20
 STDIN_CHUNK = 64 << 10
 MAX_STREAM = 16 << 20    # per stream kept by the host, whatever the agent sends (a guest may run its own)
+FILE_CHUNK = 8 << 20     # chunked file transfer: one 'A'/'H' frame each
 GRACE_S = 5.0            # every call's socket timeout = its own timeout + this
 
 
@@ -157,6 +158,8 @@ class AgentClient:
                                 on_output("stderr", payload)
                         elif kind == b"X":
                             break
+                        elif kind == b"S":
+                            continue     # the child's pid (used by exec_stream)
                         elif kind == b"F":
                             raise AgentError(payload.decode(errors="replace"))
                         else:
@@ -173,12 +176,151 @@ class AgentClient:
         return ExecResult(exit_code=code, stdout=bytes(out), stderr=bytes(err), timed_out=timed_out,
                           duration_s=time.monotonic() - t0)
 
+    # -- agent 2: streamed execs, signals, filesystem (PROTOCOL.md) -------------------------
+    def exec_stream(self, argv: list[str], timeout: float, env: dict[str, str] | None = None,
+                    cwd: str = "/workspace") -> "ExecStream":
+        """Start a command and return its live connection (pid, frames, stdin). Unix-socket
+        agents only: on a serial agent the stream would hold the port for the command's life."""
+        if self._serial:
+            raise AgentError("streamed execs need a connection per request (not a serial agent)")
+        req = encode_frame(b"E", encode_exec(list(argv), timeout, env or {}, cwd))
+        try:
+            s = self._connect()
+        except OSError as e:
+            raise AgentError(f"cannot reach the agent: {e.strerror or e}") from None
+        try:
+            s.settimeout(self.io_timeout)
+            s.sendall(req)
+            kind, payload = recv_frame(s)
+            if kind == b"F":
+                raise AgentError(payload.decode(errors="replace"))
+            if kind != b"S":
+                raise AgentError(f"agent sent {kind!r} before the pid: agent 2 needed (rebuild it)")
+            pid = int(payload.split(b"\0")[0])
+        except (OSError, ValueError) as e:
+            s.close()
+            raise AgentError(f"exec failed: {e}") from None
+        except BaseException:
+            s.close()
+            raise
+        s.settimeout(None)
+        return ExecStream(s, pid)
+
+    def signal(self, pid: int, signo: int) -> None:
+        self._simple(b"K", _fields(str(int(pid)), str(int(signo))), b"k", self.io_timeout)
+
+    def stat(self, path: str) -> dict:
+        entries = parse_entries(self._simple(b"T", _fields(path), b"D", self.io_timeout))
+        if len(entries) != 1:
+            raise AgentError("malformed stat answer")
+        return entries[0]
+
+    def list_dir(self, path: str, depth: int = 1) -> list[dict]:
+        return parse_entries(self._simple(b"L", _fields(path, str(int(depth))), b"D", self.io_timeout))
+
+    def make_dir(self, path: str) -> bool:
+        """True: created; False: it was a directory already."""
+        return self._simple(b"M", _fields(path), b"k", self.io_timeout) == b"1"
+
+    def rename(self, src: str, dst: str) -> None:
+        self._simple(b"N", _fields(src, dst), b"k", self.io_timeout)
+
+    def remove(self, path: str) -> None:
+        self._simple(b"U", _fields(path), b"k", self.io_timeout)
+
+    def write_at(self, path: str, offset: int, data: bytes) -> None:
+        self._simple(b"A", _fields(path, str(int(offset))) + data, b"k", self.io_timeout)
+
+    def read_at(self, path: str, offset: int, max_bytes: int = FILE_CHUNK) -> bytes:
+        return self._simple(b"H", _fields(path, str(int(offset)), str(int(max_bytes))), b"D", self.io_timeout)
+
+    def write_large(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Any size: the first chunk replaces the file (W), the rest is written at offsets (A)."""
+        self.write_file(path, data[:FILE_CHUNK], mode)
+        for off in range(FILE_CHUNK, len(data), FILE_CHUNK):
+            self.write_at(path, off, data[off:off + FILE_CHUNK])
+
+    def read_large(self, path: str, max_bytes: int) -> bytes:
+        """Up to max_bytes in FILE_CHUNK reads; AgentError if the file is larger."""
+        out = bytearray()
+        while True:
+            chunk = self.read_at(path, len(out), FILE_CHUNK)
+            out += chunk
+            if len(out) > max_bytes:
+                raise AgentError(f"file larger than {max_bytes} bytes")
+            if len(chunk) < FILE_CHUNK:
+                return bytes(out)
+
     @staticmethod
     def _send_stdin(s, data: bytes) -> None:
         with suppress(OSError):
             for i in range(0, len(data), STDIN_CHUNK):
                 s.sendall(encode_frame(b"I", data[i:i + STDIN_CHUNK]))
             s.sendall(encode_frame(b"i"))
+
+
+ENTRY_FIELDS = ("name", "type", "is_link", "size", "mode", "mtime_s", "mtime_ns", "uid", "gid", "target")
+_TYPES = {"f": "file", "d": "dir", "l": "symlink", "o": "other"}
+
+
+def parse_entries(payload: bytes) -> list[dict]:
+    """The entry records of a 'T'/'L' answer (10 NUL-terminated fields each)."""
+    parts = payload.split(b"\0")
+    if parts and parts[-1] == b"":
+        parts.pop()
+    n = len(ENTRY_FIELDS)
+    if len(parts) % n:
+        raise AgentError("malformed entry list")
+    out = []
+    for i in range(0, len(parts), n):
+        f = dict(zip(ENTRY_FIELDS, (p.decode("utf-8", "surrogateescape") for p in parts[i:i + n])))
+        try:
+            out.append({"name": f["name"], "type": _TYPES.get(f["type"], "other"), "is_link": f["is_link"] == "1",
+                        "size": int(f["size"]), "mode": int(f["mode"]),
+                        "mtime": int(f["mtime_s"]) + int(f["mtime_ns"]) / 1e9,
+                        "uid": int(f["uid"]), "gid": int(f["gid"]), "target": f["target"]})
+        except ValueError:
+            raise AgentError("malformed entry") from None
+    return out
+
+
+class ExecStream:
+    """One running command's agent connection: read frames, send stdin, close. Sends are
+    locked (stdin and close come from other threads than the reader)."""
+
+    def __init__(self, sock: socket.socket, pid: int):
+        self.sock, self.pid = sock, pid
+        self._send_lock = threading.Lock()
+        self._stdin_open = True
+
+    def recv(self) -> tuple[bytes, bytes]:
+        """The next frame: (b"O"|b"R", data) or (b"X", b"code\0timed_out\0"); AgentError when gone."""
+        try:
+            return recv_frame(self.sock)
+        except (OSError, TimeoutError) as e:
+            raise AgentError(f"exec stream broke: {e}") from None
+
+    def send_stdin(self, data: bytes) -> None:
+        with self._send_lock:
+            if not self._stdin_open:
+                raise AgentError("stdin is closed")
+            try:
+                for i in range(0, len(data), STDIN_CHUNK):
+                    self.sock.sendall(encode_frame(b"I", data[i:i + STDIN_CHUNK]))
+            except OSError as e:
+                raise AgentError(f"stdin failed: {e}") from None
+
+    def close_stdin(self) -> None:
+        with self._send_lock:
+            if self._stdin_open:
+                self._stdin_open = False
+                with suppress(OSError):
+                    self.sock.sendall(encode_frame(b"i"))
+
+    def close(self) -> None:
+        """Closing the connection kills the command's process group (agent side)."""
+        with suppress(OSError):
+            self.sock.close()
 
 
 def unix_connector(path: str) -> Callable[[], socket.socket]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from sandbox_runtime import cgroups, ids
 from sandbox_runtime.uids import sandbox_uid
-from sandbox_runtime.backend import ExecResult, Handle, Limits, SandboxError, SandboxSpec
+from sandbox_runtime.backend import ExecResult, Handle, Limits, NotSupported, SandboxError, SandboxSpec
 
 from . import assets, netplumb, template, vm
 from .channel import AgentChannel
@@ -51,6 +51,7 @@ class MicrovmBackend:
                  ca_bundle: Path | None = None, *, agent_binary: Path = assets.DEFAULT_AGENT,
                  accel: str | None = None):
         self.state_dir = Path(state_dir)
+        self.instance = ids.instance_name(self.state_dir)   # host-wide names are per runtime instance
         self.assets_dir = Path(assets_dir)
         self.ca_bundle = Path(ca_bundle) if ca_bundle else None
         self.agent_binary = Path(agent_binary)     # host side: `--launch` (setsid + cgroups + exec)
@@ -112,6 +113,9 @@ class MicrovmBackend:
         sid = spec.sandbox_id
         if not ids.is_sandbox_id(sid):
             raise SandboxError(f"invalid sandbox id {sid!r}")
+        if spec.template or spec.seed_layer:
+            # the guest boots its busybox initramfs; a template as its root disk is not wired yet
+            raise NotSupported("the microvm backend does not boot rootfs templates yet (use backend namespace)")
         tpl = self.template_for(spec.limits)
         run_dir = self.state_dir / sid
         if len(str(run_dir / "agent.sock")) > 100:
@@ -128,7 +132,8 @@ class MicrovmBackend:
             h.data["mac"] = mac
             lim = spec.limits
             cg = cgroups.SandboxCgroups.create(sid, Limits(memory_mb=lim.memory_mb + QEMU_OVERHEAD_MB,
-                                                          cpus=lim.cpus, pids=QEMU_PIDS, disk_mb=lim.disk_mb))
+                                                          cpus=lim.cpus, pids=QEMU_PIDS, disk_mb=lim.disk_mb),
+                                                    group=self.instance)
             h.data["cgroups"] = cg.to_json()
             snap_fd = os.open(tpl.snapshot, os.O_RDONLY)
             try:
@@ -212,6 +217,10 @@ class MicrovmBackend:
     def read_file(self, h: Handle, path: str, max_bytes: int = 16 << 20) -> bytes:
         return self._channel(h).call(lambda c: c.read_file(path, max_bytes))
 
+    def agent_call(self, h: Handle, fn):
+        """fn(AgentClient) on the VM's serial agent (no streamed execs there)."""
+        return self._channel(h).call(fn)
+
     def set_env(self, h: Handle, env: dict[str, str]) -> None:
         full = {**base_env(h.sandbox_id), **env}
         self._channel(h).call(lambda c: c.set_env(full))
@@ -234,6 +243,16 @@ class MicrovmBackend:
     def resume(self, h: Handle) -> None:
         self._qmp(h, "cont")
         h.data.pop("paused", None)
+
+    # ------------------------------------------------------------------ snapshots
+    SNAPSHOT_MISSING = ("microVM snapshots (guest memory and disk through QMP) are not implemented yet; "
+                        "snapshot, clone and rollback work for namespace sandboxes on a template")
+
+    def snapshot_layer(self, h: Handle, dest) -> dict:
+        raise NotSupported(self.SNAPSHOT_MISSING)
+
+    def rollback(self, h: Handle, **_) -> Handle:
+        raise NotSupported(self.SNAPSHOT_MISSING)
 
     def _vm_alive(self, h: Handle) -> bool:
         pid = h.data.get("pid")

@@ -26,12 +26,13 @@ def free_ports(n: int) -> list[int]:
 def daemon_settings(tmp_path, **update):
     (tmp_path / "policies").mkdir()
     (tmp_path / "policies" / "p.yaml").write_text(POLICY)
-    proxy, ops, vault = free_ports(3)
+    proxy, ops, vault, policy_api = free_ports(4)
     s = load_settings(None, environ={}, state_dir=str(tmp_path / "state"))
     s = s.model_copy(update={"policy_dir": str(tmp_path / "policies"),
                              "proxy": s.proxy.model_copy(update={"explicit_port": proxy}),
                              "ops": s.ops.model_copy(update={"port": ops}),
                              "vault": s.vault.model_copy(update={"api_port": vault}),
+                             "policy_api": s.policy_api.model_copy(update={"port": policy_api}),
                              "audit": s.audit.model_copy(update={"fsync": "never"}), **update})
     return s
 

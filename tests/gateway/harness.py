@@ -38,6 +38,7 @@ class Gateway:
                          "allow_cidrs": ["198.18.0.0/24"]},
             "audit": {"fsync": "never"},
             "vault": {"api_port": base + 2},
+            "policy_api": {"port": base + 3},
         }
         for k, v in (settings_extra or {}).items():
             if isinstance(v, dict):

@@ -37,7 +37,7 @@ def switch_lab(lab, tmp, policy: str, *, sandbox: str | None, tport: int, prefix
     sw = None
     try:
         sw = Switch(hub_netns=lab.gw_ns, state_dir=cubevs_state, bpffs_dir=bpffs,
-                    transparent_port=tport, gateway_ports=(tport, gw.proxy_port),
+                    transparent_port=tport, gateway_ports=(tport, gw.proxy_port, 80),   # 80: cubegate.internal
                     hub_addrs=(lab.gw_addr,), netns_prefix=prefix + uuid.uuid4().hex[:4])
         net = sw.attach_sandbox(sandbox) if sandbox else None
         if before_start is not None:

@@ -102,7 +102,7 @@ def test_bad_file_path_is_refused_and_cleaned_up(backend, bare_netns):
     with pytest.raises(SandboxError, match="invalid file path"):
         backend.create(spec, bare_netns, ip="10.0.0.2", gateway_ip="10.0.0.1")
     assert not (backend.state_dir / spec.sandbox_id).exists()
-    assert not Path(f"/sys/fs/cgroup/memory/cubegate/{spec.sandbox_id}").exists()
+    assert not Path(f"/sys/fs/cgroup/memory/cubegate/{backend.instance}/{spec.sandbox_id}").exists()
 
 
 def test_start_failure_reports_bwrap_error_and_leaves_nothing(backend):
@@ -114,7 +114,7 @@ def test_start_failure_reports_bwrap_error_and_leaves_nothing(backend):
             backend.create(spec, bogus, ip="10.0.0.2", gateway_ip="10.0.0.1")
         assert "exited during start" in str(ei.value)
         assert not (backend.state_dir / spec.sandbox_id).exists()
-        assert not Path(f"/sys/fs/cgroup/pids/cubegate/{spec.sandbox_id}").exists()
+        assert not Path(f"/sys/fs/cgroup/pids/cubegate/{backend.instance}/{spec.sandbox_id}").exists()
     finally:
         os.unlink(f"/run/netns/{bogus}")
     with pytest.raises(SandboxError, match="does not exist"):

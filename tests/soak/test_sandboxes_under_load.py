@@ -89,5 +89,5 @@ def test_twenty_sandboxes_under_load_are_isolated_audited_and_leave_nothing(lab,
         assert sw.sandboxes() == []
         listing = json.loads(subprocess.run(["ip", "-j", "netns", "list"], capture_output=True, text=True).stdout or "[]")
         assert not [n for n in listing if n["name"].startswith(sw.netns_prefix)]
-        assert not list(Path("/sys/fs/cgroup/memory").glob("cubegate/ld-*"))
+        assert not list(Path("/sys/fs/cgroup/memory").glob("cubegate/**/ld-*"))
         assert subprocess.run(["pgrep", "-f", "ld-[0-9][0-9]"], capture_output=True).returncode == 1

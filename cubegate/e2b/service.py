@@ -1,0 +1,88 @@
+"""The E2B API inside the daemon: one loopback port for the control plane and envd, and
+the TTL reaper (a supervised task) that kills each sandbox at its end time."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import httpkit
+from httpkit import PathParam
+
+from cubegate.runtime_api import TokenCheck, ensure_token_file
+from cubegate.runtime_service import default_limits
+from sandbox_runtime.manager import SANDBOX_ID_RE
+
+from . import control, envd, templates
+from .core import E2bCore
+from .registry import Registry
+
+log = logging.getLogger("cubegate.e2b")
+REAP_EVERY_S = 1.0
+
+ENVD_ROUTES = [("/health", envd.Health), ("/process.Process/{method}", envd.ProcessRpc),
+               ("/filesystem.Filesystem/{method}", envd.FilesystemRpc), ("/files", envd.Files),
+               ("/execute", envd.Execute)]
+PARAMS = {"id": PathParam(SANDBOX_ID_RE.pattern.strip("^$"), {"type": "string", "pattern": SANDBOX_ID_RE.pattern}),
+          "method": PathParam(r"\w+", {"type": "string"})}
+
+
+class E2bService:
+    def __init__(self, core: E2bCore, server: httpkit.Server, pool: ThreadPoolExecutor):
+        self.core, self.server, self.pool = core, server, pool
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    async def reaper(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            gone = await loop.run_in_executor(self.pool, self.core.reap_expired)
+            for sid in gone:
+                log.info("e2b: sandbox %s reached its end time: killed", sid)
+            await asyncio.sleep(REAP_EVERY_S)
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def make_app(core: E2bCore, tokens, pool, *, tenants: dict, default_tenant: str, domain: str | None,
+             audit_hook=None):
+    kw = {"core": core, "tokens": tokens, "pool": pool, "tenants": tenants, "default_tenant": default_tenant,
+          "domain": domain, "audit_hook": audit_hook}
+    routes = [*control.ROUTES, ("/openapi.json", httpkit.openapi_handler(control.ControlBase, public=True))]
+    app = httpkit.make_app(routes, base=control.ControlBase, kwargs=kw, params=PARAMS,
+                           title="cubegate E2B-compatible API (control plane)", public_not_found=True,
+                           log_name="cubegate.e2b")
+    # envd speaks Connect, not JSON-API: its routes are served beside the document, not in it
+    app.wildcard_router.add_rules([(httpkit.rule_regex(p, PARAMS), h, kw) for p, h in ENVD_ROUTES])
+    return app
+
+
+async def start_for(daemon, runtime) -> E2bService | None:
+    s = daemon.settings
+    e = s.e2b
+    if not e.enabled or runtime is None:
+        return None
+    token_file = s.runtime_dir / "api.token"
+    ensure_token_file(token_file)
+    core = E2bCore(runtime.manager, Registry(s.runtime_dir / "e2b"),
+                   templates=templates.catalogue({k: v.model_dump(exclude_none=True) for k, v in e.templates.items()}),
+                   default_backend=s.runtime.default_backend, default_limits=default_limits(s.runtime),
+                   default_timeout=e.default_timeout_seconds, max_timeout=e.max_timeout_seconds, domain=e.domain)
+    pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="e2b")
+    tokens = TokenCheck(token_file, daemon.vault.tokens if daemon.vault is not None else None)
+    app = make_app(core, tokens, pool, tenants=dict(e.token_tenants), default_tenant=e.tenant, domain=e.domain,
+                   audit_hook=daemon._admin_audit)
+    server = httpkit.serve(app, max_body=e.max_upload_mb << 20, host="127.0.0.1", port=e.port, what="the E2B API")
+    log.info("e2b: API on 127.0.0.1:%d (tenant %s), templates %s", server.port, e.tenant, ", ".join(core.templates))
+    svc = E2bService(core, server, pool)
+    daemon.supervisor.start("e2b-reaper", svc.reaper())
+    return svc
+
+
+async def stop_for(svc: E2bService | None) -> None:
+    if svc is not None:
+        svc.stop()

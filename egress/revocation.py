@@ -1,0 +1,60 @@
+"""Open connections that a policy change may revoke, whichever data path carries them.
+
+The gate lists its own mitmproxy connections; another data path (a fast path
+that splices sockets outside mitmproxy) registers each of its connections with
+`register(conn, close)` and `unregister(conn_id)`. `PolicyGate.revoke_where`
+then re-decides all of them the same way and closes the ones now denied.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from egress.policy import RequestInfo
+
+
+@dataclass(frozen=True)
+class OpenConnection:
+    conn_id: str
+    sandbox_id: str
+    host: str                     # the decided destination (normalised name or IP literal)
+    port: int
+    labels: Mapping[str, str] = field(default_factory=dict)
+    ip_literal: bool = False
+    kind: str = "tunnel"          # passthrough | intercept | http | tcp | the registering path's own name
+
+    def request(self) -> RequestInfo:
+        """The destination as the CONNECT/SNI stage decides it (method and path unknown)."""
+        return RequestInfo(sandbox_id=self.sandbox_id, labels=self.labels, host=self.host, port=self.port,
+                           is_ip_literal=self.ip_literal)
+
+
+Closer = Callable[[str], None]   # close(reason)
+Predicate = Callable[[OpenConnection], "str | None"]   # the denial reason, or None to keep it
+
+
+def denied_by(policy) -> Predicate:
+    """The usual predicate: a connection whose destination `policy` now denies (at CONNECT stage)."""
+    def check(conn: OpenConnection) -> str | None:
+        d = policy.decide(conn.request())
+        return None if d.allowed else d.reason
+    return check
+
+
+class Registered:
+    """Connections of other data paths: conn_id → (what, how to close it)."""
+
+    def __init__(self) -> None:
+        self._conns: dict[str, tuple[OpenConnection, Closer]] = {}
+
+    def register(self, conn: OpenConnection, close: Closer) -> None:
+        self._conns[conn.conn_id] = (conn, close)
+
+    def unregister(self, conn_id: str) -> None:
+        self._conns.pop(conn_id, None)
+
+    def items(self) -> list[tuple[OpenConnection, Closer]]:
+        return list(self._conns.values())
+
+    def __len__(self) -> int:
+        return len(self._conns)

@@ -1,0 +1,338 @@
+"""Snapshots, clones, rollback and auto-pause through the real daemon (namespace backend on
+the `base` template, cubevs switch with a pool of prepared network slots, transparent
+gateway, vault with a placeholder binding), plus the pure parts.
+
+One daemon for the module with runtime.auto_pause_seconds=1 and paused_capacity=memory:
+sandboxes of the other tests here are paused between their calls too, and every call
+must wake them transparently."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sandbox_runtime.idle import Activity
+from sandbox_runtime.templates import rootfs
+from testbed.netns import call_in_netns
+
+pytestmark = pytest.mark.netns
+
+CACHE = Path(os.environ.get("CUBEGATE_TEMPLATE_CACHE", "/var/cache/cubegate/templates"))
+TPORT, API_PORT = 18068, 18069      # below the harness's port range; unlike the other daemon tests
+HUB_IP = "10.200.0.1"
+SECRET = "sk-live-snapshot-1a2b3c4d5e6f7a8b"
+POOL_SIZE = 2
+IDLE_S = 1.0
+POLICY = """\
+name: snap-agents
+tenant: acme
+applies_to: {labels: {tenant: acme}}
+default: deny
+rules:
+  - name: lab
+    action: allow
+    match: {hosts: [api.allowed.test, echo.allowed.test], ports: [443, 80]}
+"""
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------ pure parts
+
+def test_activity_idle_time_counts_calls_and_traffic_not_first_sight():
+    now = [100.0]
+    a = Activity(clock=lambda: now[0])
+    assert a.idle_for("s") == 0.0                 # first seen: used now (a restart pauses nobody at once)
+    a.traffic({"s": 10})                          # a first reading is a baseline, not use
+    now[0] = 103.0
+    assert a.due(["s"], 3.0) == ["s"]
+    a.traffic({"s": 10})                          # unchanged counters: still idle
+    assert a.idle_for("s") == 3.0
+    a.traffic({"s": 11})                          # bytes moved: used now
+    assert a.idle_for("s") == 0.0
+    a.begin("s")                                  # a call in flight is never idle, however long
+    now[0] = 200.0
+    assert a.due(["s"], 3.0) == []
+    a.end("s")
+    now[0] = 202.0
+    assert a.idle_for("s") == 2.0 and a.due(["s"], 3.0) == []
+    a.forget("s")
+    assert a.idle_for("s") == 0.0
+
+
+def test_replace_tokens_in_a_layer_keeps_lengths_and_skips_non_files(tmp_path):
+    old, new = b"cgph_" + b"A" * 32, b"cgph_" + b"B" * 32
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "env").write_bytes(b"KEY=" + old + b"\nX=" + old)
+    (tmp_path / "bin").write_bytes(b"\0\1" + old + b"\xff" * 5)
+    (tmp_path / "empty").write_bytes(b"")
+    (tmp_path / "other").write_bytes(b"nothing here")
+    (tmp_path / "link").symlink_to(tmp_path / "d" / "env")
+    os.mkfifo(tmp_path / "fifo")
+    assert rootfs.replace_tokens(tmp_path, {old: new}) == 2
+    assert (tmp_path / "d" / "env").read_bytes() == b"KEY=" + new + b"\nX=" + new
+    assert (tmp_path / "bin").read_bytes() == b"\0\1" + new + b"\xff" * 5
+    assert (tmp_path / "other").read_bytes() == b"nothing here"
+    with pytest.raises(rootfs.RootfsError, match="equal length"):
+        rootfs.replace_tokens(tmp_path, {old: b"short"})
+
+
+# ------------------------------------------------------------------ the daemon
+
+def _vault(gw) -> None:
+    gw.cli("vault", "init")
+    gw.cli("vault", "secret", "put", "acme", "openai", input=SECRET + "\n")
+    gw.cli("vault", "binding", "add", "--id", "b-echo", "--tenant", "acme", "--secret", "openai",
+           "--host", "echo.allowed.test", "--port", "443", "--header", "Authorization",
+           "--format", "Bearer {secret}", "--placeholder")
+
+
+@pytest.fixture(scope="module")
+def rt(lab, tmp_path_factory):
+    from sandbox_runtime.templates import TemplateStore
+    from tests.gateway.switchlab import switch_lab
+    if os.geteuid() != 0 or not shutil.which("mmdebstrap"):
+        pytest.skip("needs root and mmdebstrap (apt)")
+    TemplateStore(CACHE).build("base")          # cached on this machine: returns at once
+    settings = {"dns": {"listen_host": HUB_IP, "port": 53},
+                "runtime": {"enabled": True, "api_port": API_PORT, "memory_mb": 2048, "cpus": 2.0,
+                            "max_sandboxes": 8, "host_reserve_mb": 256, "template_cache": str(CACHE),
+                            "default_template": "base", "pool_size": POOL_SIZE,
+                            "auto_pause_seconds": IDLE_S, "paused_capacity": "memory"}}
+    with switch_lab(lab, tmp_path_factory.mktemp("snap"), POLICY, sandbox=None, tport=TPORT, prefix="cq",
+                    settings_extra=settings, before_start=_vault) as (gw, sw, _):
+        yield gw, sw
+
+
+def cli(lab, gw, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = lab.run_gw([str(REPO / ".venv/bin/cubegate"), "-c", str(gw.settings_path), "sandbox", *args],
+                   lab_dns=False, cwd=REPO, timeout=120)
+    if check and r.returncode != 0:
+        raise AssertionError(f"cubegate sandbox {' '.join(args)} → {r.returncode}: {r.stderr}\n{gw.log()[-3000:]}")
+    return r
+
+
+def api(lab, gw, method: str, path: str, **kw) -> httpx.Response:
+    token = (gw.state_dir / "runtime" / "api.token").read_text().strip()
+    return call_in_netns(lab.gw_ns, lambda: httpx.request(method, f"http://127.0.0.1:{API_PORT}/v1{path}",
+                                                          headers={"Authorization": f"Bearer {token}"},
+                                                          timeout=60, **kw))
+
+
+def sh(lab, gw, sid: str, script: str) -> str:
+    r = api(lab, gw, "POST", f"/sandboxes/{sid}/exec", json={"argv": ["sh", "-c", script], "timeout": 20})
+    assert r.status_code == 200 and r.json()["exit_code"] == 0, (script, r.text)
+    return r.json()["stdout"]
+
+
+def _sid(tag: str) -> str:
+    return f"sq{tag}-{uuid.uuid4().hex[:6]}"
+
+
+def create(lab, gw, sid: str) -> dict:
+    return json.loads(cli(lab, gw, "create", sid, "--tenant", "acme", "--secret-env", "OPENAI_API_KEY=openai",
+                          "--json").stdout)
+
+
+def rm(lab, gw, *sids: str) -> None:
+    cli(lab, gw, "rm", *sids, check=False)
+
+
+def _auth_seen(lab, gw, sid: str, bearer: str, path: str) -> list[str]:
+    out = sh(lab, gw, sid, f"curl -s --max-time 10 -H 'Authorization: Bearer {bearer}' https://echo.allowed.test{path}")
+    return [v for k, v in json.loads(out)["header_list"] if k.lower() == "authorization"]
+
+
+def test_a_clone_has_its_own_identity_placeholders_and_traffic(rt, lab):
+    gw, sw = rt
+    parent, clones = _sid("p"), [_sid("c1"), _sid("c2")]
+    try:
+        p = create(lab, gw, parent)
+        assert p["template"] == "base"
+        p_ph = sh(lab, gw, parent, "echo $OPENAI_API_KEY").strip()
+        assert p_ph.startswith("cgph_")
+        sh(lab, gw, parent, "echo $OPENAI_API_KEY > key.txt; echo kept > mark; mkdir -p d; echo x > d/f")
+        snap = json.loads(cli(lab, gw, "snapshot", parent, "--json").stdout)
+        assert snap["sandbox"] == parent and snap["template"] == "base" and snap["size_bytes"] > 0
+        out = json.loads(cli(lab, gw, "clone", snap["id"], *clones, "--secret-env", "OPENAI_API_KEY=openai",
+                             "--json").stdout)
+        assert [c["id"] for c in out] == clones and all(c["state"] == "running" for c in out)
+        ips = {p["ip"], *(c["ip"] for c in out)}
+        assert len(ips) == 3                                       # each its own address
+        seen = {p_ph}
+        for c in clones:
+            r = sh(lab, gw, c, "cat mark d/f; cat /etc/hostname; echo $HOSTNAME; echo $OPENAI_API_KEY; cat key.txt")
+            mark, f, hostname, env_host, env_ph, file_ph = r.split()
+            assert (mark, f) == ("kept", "x")                      # the snapshot's files
+            assert hostname == env_host == c                       # its own identity
+            assert env_ph.startswith("cgph_") and env_ph not in seen   # its own placeholder, not the parent's
+            assert file_ph == env_ph                               # the copied file holds the clone's own
+            seen.add(env_ph)
+            # its traffic is its own: injected for its placeholder, audited under its id
+            assert _auth_seen(lab, gw, c, env_ph, f"/clone-{c}") == ["Bearer [REDACTED]"]
+            rec = gw.wait_record(lambda x: x["event"] == "request" and x.get("path") == f"/clone-{c}")
+            assert rec["sandbox"] == c and rec["extra"]["secret"] == "openai", rec
+            # the gateway knows its placeholder as its own: headed to an unbound host, a leak of this clone
+            code = sh(lab, gw, c, "curl -s -o /dev/null -w '%{http_code}' --max-time 10 -H "
+                                  f"\"Authorization: Bearer $OPENAI_API_KEY\" http://api.allowed.test/leak-{c}")
+            assert code == "403", code
+            rec = gw.wait_record(lambda x: x.get("path") == f"/leak-{c}" and x["decision"] == "deny")
+            assert rec["sandbox"] == c and rec["reason"] == "credential_leak", rec
+            # and nothing of the parent's placeholder is left anywhere in its files
+            assert sh(lab, gw, c, f"grep -rl {p_ph} /workspace /tmp /etc 2>/dev/null; true") == ""
+        # the snapshot is listed, and the clone call was audited with its snapshot
+        listed = json.loads(cli(lab, gw, "snapshots", "--json").stdout)
+        assert snap["id"] in [s["id"] for s in listed]
+        rec = gw.wait_record(lambda x: x["event"] == "admin" and x["extra"].get("action") == "snapshot.clone.post")
+        assert rec["extra"]["snapshot"] == snap["id"] and rec["status"] == 201, rec
+        assert SECRET not in gw.log_path.read_text(errors="replace")
+    finally:
+        rm(lab, gw, parent, *clones)
+
+
+def test_clone_is_all_or_none_and_refuses_a_taken_id(rt, lab):
+    gw, sw = rt
+    parent = _sid("p")
+    try:
+        create(lab, gw, parent)
+        snap = json.loads(cli(lab, gw, "snapshot", parent, "--name", f"{parent}-s", "--json").stdout)
+        fresh = _sid("n")
+        r = api(lab, gw, "POST", f"/snapshots/{snap['id']}/clone", json={"ids": [fresh, parent]})
+        assert r.status_code == 409, r.text
+        assert api(lab, gw, "GET", f"/sandboxes/{fresh}").status_code == 404     # the first one was undone
+        assert sw.sandbox(fresh) is None
+        r = api(lab, gw, "POST", f"/snapshots/{snap['id']}/clone", json={"ids": [fresh], "env": {"K": SECRET}})
+        assert r.status_code == 400 and "secret(s) openai" in r.json()["message"] and SECRET not in r.text
+        assert api(lab, gw, "POST", "/snapshots/nope-1/clone", json={"ids": [fresh]}).status_code == 404
+        assert api(lab, gw, "DELETE", f"/snapshots/{snap['id']}").status_code == 204
+        assert api(lab, gw, "GET", f"/snapshots/{snap['id']}").status_code == 404
+    finally:
+        rm(lab, gw, parent)
+
+
+def test_rollback_restores_the_files_and_keeps_identity_and_env(rt, lab):
+    gw, sw = rt
+    sid = _sid("r")
+    try:
+        sb = create(lab, gw, sid)
+        ph = sh(lab, gw, sid, "echo $OPENAI_API_KEY").strip()
+        sh(lab, gw, sid, "echo one > a; rm -f /tmp/t")
+        snap = json.loads(cli(lab, gw, "snapshot", sid, "--json").stdout)
+        sh(lab, gw, sid, "echo two > a; echo new > b; (sleep 300 >/dev/null 2>&1 &)")
+        assert "sleep 300" in sh(lab, gw, sid, "cat /proc/[0-9]*/cmdline | tr '\\0' ' '")
+        cli(lab, gw, "rollback", sid, snap["id"])
+        r = sh(lab, gw, sid, "cat a; test -e b && echo b-exists; echo $OPENAI_API_KEY; cat /etc/hostname")
+        assert r.split() == ["one", ph, sid], r                    # files back, same env and identity
+        assert "sleep 300" not in sh(lab, gw, sid, "cat /proc/[0-9]*/cmdline | tr '\\0' ' '")   # not kept
+        got = api(lab, gw, "GET", f"/sandboxes/{sid}").json()
+        assert got["state"] == "running" and got["ip"] == sb["ip"] and sw.lookup_by_ip(sb["ip"]) == sid
+        rec = gw.wait_record(lambda x: x["event"] == "admin" and x["extra"].get("action") == "sandbox.rollback.post")
+        assert rec["sandbox"] == sid and rec["extra"]["snapshot"] == snap["id"] and rec["status"] == 200
+    finally:
+        rm(lab, gw, sid)
+
+
+def _freezer_state(sid: str) -> str:
+    v1 = list(Path("/sys/fs/cgroup/freezer/cubegate").glob(f"*/{sid}/freezer.state"))
+    if v1:
+        assert len(v1) == 1, v1
+        return v1[0].read_text().strip()
+    (events_path,) = Path("/sys/fs/cgroup/cubegate").glob(f"*/{sid}/cgroup.events")
+    events = events_path.read_text()
+    return "FROZEN" if "frozen 1" in events else "THAWED"
+
+
+def _metric(text: str, name: str, labels: str) -> float | None:
+    m = re.search(rf"^{re.escape(name)}\{{{re.escape(labels)}\}} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def _wait(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_an_idle_sandbox_is_frozen_and_the_next_exec_resumes_it(rt, lab):
+    gw, _ = rt
+    sid = _sid("i")
+    try:
+        create(lab, gw, sid)
+        (root,) = Path("/run/cubegate/roots").glob(f"*/{sid}")     # <instance>/<sandbox id>
+        counter = root / "rw/upper/workspace/n"                     # its writable layer, seen from the host
+        # busy inside, but no call and no traffic: that is idle
+        sh(lab, gw, sid, "(i=0; while :; do i=$((i+1)); echo $i > n; sleep 0.05; done >/dev/null 2>&1 &)")
+        _wait(lambda: api(lab, gw, "GET", f"/sandboxes/{sid}").json()["state"] == "paused", 10 * IDLE_S + 10,
+              "auto-pause")      # (a GET is no use of the sandbox: it does not wake it)
+        got = api(lab, gw, "GET", f"/sandboxes/{sid}").json()
+        assert got["paused_by"] == "idle" and _freezer_state(sid) == "FROZEN"
+        before = counter.read_text()
+        time.sleep(0.3)
+        assert counter.read_text() == before                      # its processes really stopped
+        rec = gw.wait_record(lambda x: x["event"] == "admin" and x["extra"].get("action") == "sandbox.auto_pause"
+                             and x["sandbox"] == sid)
+        assert rec["extra"]["actor"] == "runtime" and rec["reason"].startswith("idle "), rec
+        metrics = gw.ops("/metrics").stdout
+        assert _metric(metrics, "cubegate_sandboxes_paused", 'backend="namespace",by="idle"') >= 1
+        assert _metric(metrics, "cubegate_sandbox_auto_pauses_total", 'backend="namespace"') >= 1
+        # paused_capacity=memory: its CPUs are free for others, its memory stays reserved
+        assert _metric(metrics, "cubegate_host_reserved", 'resource="cpus"') == 0.0
+        assert _metric(metrics, "cubegate_host_reserved", 'resource="memory_bytes"') >= 256 * 2**20
+        # the next exec wakes it, transparently
+        r = cli(lab, gw, "exec", sid, "--", "cat", "n")
+        assert r.returncode == 0 and int(r.stdout) >= int(before)
+        assert _freezer_state(sid) == "THAWED"
+        assert int(_wait(lambda: counter.read_text().strip() if counter.read_text() != before else None, 5,
+                         "the loop to run again")) > int(before)
+        rec = gw.wait_record(lambda x: x["event"] == "admin" and x["extra"].get("action") == "sandbox.auto_resume"
+                             and x["sandbox"] == sid)
+        assert "resumed by a call" in rec["reason"], rec
+    finally:
+        rm(lab, gw, sid)
+
+
+def test_traffic_keeps_a_sandbox_awake(rt, lab):
+    """One exec runs a loop of requests far longer than the idle time; while it runs the call
+    itself is in flight — so the loop is started in the background, and the exec returns."""
+    gw, _ = rt
+    sid = _sid("t")
+    try:
+        create(lab, gw, sid)
+        sh(lab, gw, sid, "(for i in $(seq 40); do curl -s -o /dev/null --max-time 2 http://api.allowed.test/keep;"
+                         " sleep 0.1; done >/dev/null 2>&1 &)")
+        t_end = time.monotonic() + 3 * IDLE_S
+        while time.monotonic() < t_end:
+            assert api(lab, gw, "GET", f"/sandboxes/{sid}").json()["state"] == "running"
+            time.sleep(0.2)
+    finally:
+        rm(lab, gw, sid)
+
+
+def test_the_pool_hands_each_sandbox_a_prepared_slot_once(rt, lab):
+    gw, sw = rt
+    _wait(lambda: len(sw.slots()) == POOL_SIZE, 20, "the pool to fill")
+    ready = {sw.sandbox(t).netns for t in sw.slots()}
+    a, b = _sid("pa"), _sid("pb")
+    try:
+        create(lab, gw, a)
+        create(lab, gw, b)
+        na, nb = sw.sandbox(a).netns, sw.sandbox(b).netns
+        assert na != nb and {na, nb} <= ready                      # both from the pool
+        _wait(lambda: len(sw.slots()) == POOL_SIZE, 20, "the pool to refill")
+        assert not {sw.sandbox(t).netns for t in sw.slots()} & {na, nb}   # never handed out again
+        assert sh(lab, gw, a, "cat /etc/hostname").strip() == a
+    finally:
+        rm(lab, gw, a, b)
+    assert sw.sandbox(a) is None and not Path(f"/run/netns/{na}").exists()   # torn down, not returned
+    assert len(sw.slots()) <= POOL_SIZE
