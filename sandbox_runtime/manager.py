@@ -327,9 +327,9 @@ class SandboxManager:
         if not isinstance(cwd, str) or "\0" in cwd:
             raise InvalidRequest("cwd must be a string without NUL")
         with self._use(sandbox_id) as rec:
-            return self._exec(rec, argv, timeout, env or {}, stdin, cwd)
+            return self._exec(rec, argv, timeout, env or {}, stdin, cwd, on_output)
 
-    def _exec(self, rec: SandboxRecord, argv, timeout, env, stdin, cwd) -> ExecResult:
+    def _exec(self, rec: SandboxRecord, argv, timeout, env, stdin, cwd, on_output=None) -> ExecResult:
         # argv and cwd too: `sh -c 'echo <key> > f'` would put the key into the sandbox.
         self._refuse_real_secrets(rec.tenant, rec.id, [*argv, cwd, *(str(x) for kv in env.items() for x in kv)],
                                   stdin)

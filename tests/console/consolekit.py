@@ -40,10 +40,11 @@ class ConsoleDaemon:
         (self.dir / "policies" / "p.yaml").write_text(POLICY)
         self.state = self.dir / "state"
         self.tokens = make_vault(self.state)
-        proxy, ops, api, port = free_ports(4)
+        proxy, ops, api, policy_api, port = free_ports(5)
         self.port = port
         settings = {"state_dir": str(self.state), "policy_dir": str(self.dir / "policies"),
                     "proxy": {"explicit_port": proxy}, "ops": {"port": ops}, "vault": {"api_port": api},
+                    "policy_api": {"port": policy_api},
                     "audit": {"fsync": "never"},
                     "console": {"enabled": True, "port": port, "sample_seconds": 1.0, **(console or {})},
                     **(extra or {})}
