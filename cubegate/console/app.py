@@ -12,7 +12,7 @@ from httpkit.pages import security_headers
 from sandbox_runtime.ids import SANDBOX_ID_RE
 from vault.names import _NAME
 
-from . import audit_pages, auth, overview, sandboxes, vault_pages
+from . import audit_pages, auth, overview, policies, sandboxes, vault_pages
 from .base import ConsoleContext, ConsoleHandler, fmt_bytes, fmt_time
 
 HERE = Path(__file__).parent
@@ -47,6 +47,15 @@ def routes() -> list:
         (rf"/sandboxes/{sid}", sandboxes.SandboxPage),
         (rf"/sandboxes/{sid}/exec", sandboxes.SandboxExec),
         (rf"/sandboxes/{sid}/destroy", sandboxes.SandboxDestroy),
+        (r"/policies", policies.PoliciesPage),
+        (r"/policies/new", policies.NewPolicy),
+        (r"/policies/explain", policies.ExplainPage),
+        (rf"/policies/(?P<name>{policies.NAME})", policies.PolicySave),
+        (rf"/policies/(?P<name>{policies.NAME})/delete", policies.PolicyDelete),
+        (rf"/policies/(?P<name>{policies.NAME})/rollback", policies.PolicyRollback),
+        (r"/access/(?P<id>ar_[0-9a-f]{16})/approve", policies.AccessApprove),
+        (r"/access/(?P<id>ar_[0-9a-f]{16})/deny", policies.AccessDeny),
+        (rf"/grants/(?P<name>{policies.NAME})/revoke", policies.GrantRevoke),
         (r"/vault", vault_pages.VaultPage),
         (r"/vault/secrets", vault_pages.SecretPut),
         (rf"/vault/secrets/(?P<tenant>{_NAME.pattern})/(?P<id>{_NAME.pattern})/rotate", vault_pages.SecretRotate),

@@ -29,7 +29,8 @@ from sandbox_runtime.capacity import CapacityError
 from .charts import Ring
 from .exec_jobs import ExecJobs
 
-NAV = (("/", "Overview"), ("/sandboxes", "Sandboxes"), ("/vault", "Vault"), ("/audit", "Audit"))
+NAV = (("/", "Overview"), ("/sandboxes", "Sandboxes"), ("/policies", "Policies"), ("/vault", "Vault"),
+       ("/audit", "Audit"))
 ERROR_MAP = [
     (verr.NotFound, 404, "not_found"), (verr.Conflict, 409, "conflict"), (verr.InvalidBinding, 400, "invalid_binding"),
     (verr.InvalidName, 400, "invalid_name"), (verr.InvalidValue, 400, "invalid_value"),
@@ -70,6 +71,8 @@ class ConsoleContext:
     pool: ThreadPoolExecutor
     jobs: ExecJobs
     capacity: Callable[[], dict]
+    policies: Any = None           # egress.policy.live.LivePolicies
+    access: Any = None             # cubegate.access_store.AccessStore
     max_streams: int = 16
     streams: int = 0
     login_failures: list = dataclasses.field(default_factory=list)   # monotonic times of recent failures

@@ -6,7 +6,8 @@ the browser runs here and reaches the console through a loopback forwarder that 
 records every byte the console sent it. One walk through every page: log in, readiness,
 keyboard navigation, put a secret and bind it, create a sandbox with it as a placeholder,
 run a command and watch its output stream, watch a sandbox's denied DNS query arrive in
-the audit tail, refused requests without CSRF token or session, destroy; then: the secret
+the audit tail, edit a policy (a broken edit refused in place, then a good one), approve the
+access request a sandbox filed, refused requests without CSRF token or session, destroy; then: the secret
 is in no page source and in no byte the console ever sent.
 
 Screenshots of each page (1280x800) go to a temporary directory, or to docs/ with
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from tests.console.forwarder import Forwarder
 from tests.gateway.switchlab import HUB_IP, switch_lab
@@ -30,7 +32,7 @@ from tests.gateway.switchlab import HUB_IP, switch_lab
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 CHROMIUM, DRIVER = "/usr/lib/chromium/chromium", "/usr/bin/chromedriver"
-TPORT, API_PORT, CONSOLE_PORT = 18174, 18173, 18175
+TPORT, API_PORT, CONSOLE_PORT, POLICY_PORT = 18174, 18173, 18175, 18176
 SECRET = "sk-browser-secret-4b8d2f6a9c1e3057"
 POLICY = """\
 name: acme-agents
@@ -44,6 +46,9 @@ rules:
 """
 REPO = Path(__file__).resolve().parents[2]
 WAIT = 20
+ASK = ("curl -s --max-time 8 -X POST -H 'Content-Type: application/json' "
+       "--data '{\"host\": \"github.test\", \"port\": 443, \"reason\": \"clone the repo\"}' "
+       "http://cubegate.internal/v1/access-requests")
 # a denied name (the DNS refusal is what the tail must show), then some allowed and denied HTTPS
 # so the overview's charts have something to draw (bounded: 6 requests, 3 s each at most)
 TRAFFIC = ("getent hosts blocked-by-policy.test; for i in 1 2 3; do "
@@ -76,7 +81,8 @@ def console(lab, tmp_path_factory):
     settings = {"dns": {"listen_host": HUB_IP, "port": 53},
                 "runtime": {"enabled": True, "api_port": API_PORT, "memory_mb": 1024, "cpus": 1.0,
                             "max_sandboxes": 4, "host_reserve_mb": 256},
-                "console": {"enabled": True, "port": CONSOLE_PORT, "sample_seconds": 1.0}}
+                "console": {"enabled": True, "port": CONSOLE_PORT, "sample_seconds": 1.0},
+                "policy_api": {"port": POLICY_PORT}}
     with switch_lab(lab, tmp_path_factory.mktemp("console"), POLICY, sandbox=None, tport=TPORT, prefix="cw",
                     settings_extra=settings, before_start=before_start) as (gw, sw, _):
         fwd = Forwarder(lab.gw_ns, CONSOLE_PORT)
@@ -166,7 +172,7 @@ def test_the_console_in_a_browser(console, lab, driver, tmp_path):
     driver.execute_script("document.activeElement.blur()")
     ActionChains(driver).send_keys(Keys.TAB).perform()
     assert driver.switch_to.active_element.text == "Skip to content"
-    ActionChains(driver).send_keys(Keys.TAB, Keys.TAB, Keys.TAB).perform()     # Overview, Sandboxes, Vault
+    ActionChains(driver).send_keys(Keys.TAB, Keys.TAB, Keys.TAB, Keys.TAB).perform()  # Overview … Policies, Vault
     assert driver.switch_to.active_element.text == "Vault"
     ActionChains(driver).send_keys(Keys.ENTER).perform()
     wait.until(EC.url_to_be(base + "/vault"))
@@ -236,6 +242,46 @@ def test_the_console_in_a_browser(console, lab, driver, tmp_path):
     keep_source()
     shot("sandboxes")
 
+    # -- policies: a broken edit is refused in place, a good one takes effect; approve a request --
+    page("/policies/acme-agents")
+    editor = driver.find_element(By.ID, "policy-text")
+    original = editor.get_attribute("value")
+    assert "api.allowed.test" in original and "file" in text("#policy-source")
+    doc = yaml.safe_load(original)
+    doc["rules"].append({"name": "typo", "action": "permit", "match": {"hosts": ["*bad.test"]}})
+    broken = yaml.safe_dump(doc, sort_keys=False)
+    driver.execute_script("arguments[0].value = arguments[1]", editor, broken)
+    driver.find_element(By.ID, "policy-save").click()
+    wait.until(lambda d: d.find_elements(By.ID, "policy-problems"))
+    problems = text("#policy-problems")
+    assert "/rules/1/action" in problems and "/rules/1/match/hosts/0" in problems, problems
+    assert "action: permit" in driver.find_element(By.ID, "policy-text").get_attribute("value")   # kept
+    doc["rules"].pop()
+    doc["rules"][0]["match"]["hosts"].append("docs.allowed.test")
+    fixed = yaml.safe_dump(doc, sort_keys=False)
+    driver.execute_script("arguments[0].value = arguments[1]", driver.find_element(By.ID, "policy-text"), fixed)
+    driver.find_element(By.ID, "policy-save").click()
+    wait.until(lambda d: "is in force" in d.find_element(By.CSS_SELECTOR, ".flash").text)
+    assert "API policy, version 1" in text("#policy-source")
+    keep_source()
+    shot("policy")
+    r = lab.call_gw(lambda: httpx.post(
+        f"http://127.0.0.1:{API_PORT}/v1/sandboxes/sb-web/exec", timeout=30,
+        headers={"Authorization": f"Bearer {(gw.state_dir / 'runtime' / 'api.token').read_text().strip()}"},
+        json={"argv": ["sh", "-c", ASK], "timeout": 15}))
+    assert r.status_code == 200 and '"state": "pending"' in r.json()["stdout"].replace('":"', '": "'), r.text
+    page("/policies")
+    row = driver.find_element(By.CSS_SELECTOR, "#access-requests tbody tr[data-request]")
+    assert "github.test:443" in row.text and "sb-web" in row.text
+    row.find_element(By.NAME, "scope").send_keys("sandbox")
+    row.find_element(By.CSS_SELECTOR, "form.rotate button").click()
+    wait.until(lambda d: "approved github.test:443" in d.find_element(By.CSS_SELECTOR, ".flash").text)
+    assert "github.test" in text("#grants") and not driver.find_elements(By.CSS_SELECTOR, "#access-requests tr[data-request]")
+    page("/policies/explain?sandbox=sb-web&labels=tenant%3Dacme&host=github.test")
+    assert "grant_allow" in text("#explain-result")
+    keep_source()
+    shot("policies")
+
     # -- audit: a new record appears in the live tail ------------------------------------------
     page("/audit")
     wait.until(lambda d: text("#tail-state") == "live")
@@ -280,7 +326,8 @@ def test_the_console_in_a_browser(console, lab, driver, tmp_path):
     # every console action is in the audit log with its actor
     actions = {rec["extra"].get("action") for rec in gw.audit_records() if rec.get("event") == "admin"}
     assert {"console.login", "console.secret.put", "console.binding.add", "console.sandbox.create",
-            "console.sandbox.exec", "console.sandbox.exec.exit", "console.sandbox.destroy"} <= actions, actions
+            "console.sandbox.exec", "console.sandbox.exec.exit", "console.sandbox.destroy", "console.policy.put",
+            "console.access.approve"} <= actions, actions
     assert SECRET not in json.dumps(gw.audit_records()) and SECRET not in gw.log()
     if shots != tmp_path:
         shutil.rmtree(tmp_path / "profile", ignore_errors=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import time
 from http.cookies import SimpleCookie
 
@@ -313,3 +314,72 @@ def test_an_idle_session_expires_and_polling_does_not_keep_it(tls_daemon):
     for _ in range(4):                         # page views are activity: it stays alive
         time.sleep(0.5)
         assert active.get("/vault").status_code == 200
+
+
+# -- policies and access requests ----------------------------------------------------------
+GOOD = "name: web\ntenant: acme\napplies_to: {labels: {team: web}}\ndefault: deny\nrules:\n" \
+       "  - name: docs\n    action: allow\n    match: {hosts: [docs.test], ports: [443]}\n"
+
+
+def test_a_broken_policy_edit_is_refused_in_place_and_nothing_changes(daemon):
+    b = daemon.login()
+    assert b.get("/policies/new", params={"name": "web"}).headers["location"] == "/policies/web?new=1"
+    page = b.get("/policies/web?new=1")
+    assert page.status_code == 200 and 'id="policy-form"' in page.text
+    broken = GOOD.replace("action: allow", "action: permit").replace("hosts: [docs.test]", "hosts: [\"*x.test\"]")
+    r = b.post("/policies/web", {"text": broken})
+    assert r.status_code == 400 and 'id="policy-problems"' in r.text
+    assert "/rules/0/action" in r.text and "/rules/0/match/hosts/0" in r.text
+    assert "action: permit" in r.text                                 # the text stays in the editor
+    assert 'data-policy="web"' not in b.get("/policies").text         # nothing changed
+    assert b.post("/policies/web", {"text": "rules: [unclosed"}).status_code == 400
+    assert b.post("/policies/web", {"text": GOOD}).status_code == 303
+    listed = b.get("/policies").text
+    assert 'data-policy="web"' in listed and "API v1" in listed
+    v2 = GOOD.replace("docs.test", "docs2.test")
+    assert b.post("/policies/web", {"text": v2}).status_code == 303
+    page = b.get("/policies/web")
+    assert "version 2" in page.text
+    diff = page.text[page.text.index('data-version="2"'):page.text.index('data-version="1"')]
+    assert re.search(r'<span class="del">-\s+- docs\.test</span>', diff), diff
+    assert re.search(r'<span class="add">\+\s+- docs2\.test</span>', diff), diff
+    assert b.post("/policies/web/rollback", {"version": "1"}).status_code == 303
+    d = b.get("/policies/explain", params={"sandbox": "sb-x", "labels": "team=web", "host": "docs.test"})
+    assert d.status_code == 200 and 'id="explain-result"' in d.text and "rule_allow" in d.text
+    d = b.get("/policies/explain", params={"sandbox": "sb-x", "labels": "team=web", "host": "docs2.test"})
+    assert "deny" in d.text                                              # rolled back: docs2 is not allowed
+    puts = [x["extra"] for x in daemon.audit_records() if x.get("extra", {}).get("action") in
+            ("console.policy.put", "console.policy.rollback")]
+    assert [(p["action"], p.get("version")) for p in puts if p.get("outcome") == "ok"] == \
+        [("console.policy.put", 1), ("console.policy.put", 2), ("console.policy.rollback", 3)]
+    assert b.post("/policies/web/delete").status_code == 303
+    assert b.post("/policies/t/delete").status_code == 409               # a file policy: refused
+
+
+def test_access_requests_are_approved_with_scope_and_expiry_or_denied(daemon):
+    from cubegate.access_store import AccessStore
+    store = AccessStore(daemon.state / "access.db")
+    try:
+        one = store.file("sb-asker", {"tenant": "acme"}, "api.asked.test", 443, "needs the docs")
+        two = store.file("sb-asker", {"tenant": "acme"}, "other.asked.test", 443, "<b>bold</b> reason")
+    finally:
+        store.close()
+    b = daemon.login()
+    page = b.get("/policies")
+    assert f'data-request="{one["id"]}"' in page.text and "&lt;b&gt;bold&lt;/b&gt;" in page.text
+    assert b.post(f"/access/{one['id']}/approve", {"scope": "everything"}).status_code == 400
+    r = b.post(f"/access/{one['id']}/approve", {"scope": "sandbox", "expires_in": "3600", "note": "ok"})
+    assert r.status_code == 303
+    assert b.post(f"/access/{two['id']}/deny", {"note": "no"}).status_code == 303
+    assert b.post(f"/access/{two['id']}/deny").status_code == 404       # decided already
+    page = b.get("/policies").text
+    assert f'data-grant="grant.{one["id"]}"' in page and f'data-request="{one["id"]}"' not in page
+    d = b.get("/policies/explain", params={"sandbox": "sb-asker", "labels": "tenant=acme", "host": "api.asked.test"})
+    assert "grant_allow" in d.text
+    assert b.post(f"/grants/grant.{one['id']}/revoke").status_code == 303
+    assert f'data-grant="grant.{one["id"]}"' not in b.get("/policies").text
+    approved = daemon.wait_record(lambda x: x.get("extra", {}).get("action") == "console.access.approve"
+                                  and x["extra"].get("outcome") == "ok")
+    assert approved["extra"]["request_id"] == one["id"] and approved["extra"]["scope"] == "sandbox"
+    reader = daemon.login(daemon.tokens["read"])
+    assert reader.post("/policies/web", {"text": GOOD}).status_code == 403
