@@ -66,6 +66,8 @@ class Daemon:
         self.identities = IdentityStore(s.identity_db)
         own = {(s.proxy.listen_host, s.proxy.explicit_port), (s.ops.listen_host, s.ops.port),
                ("127.0.0.1", s.vault.api_port), ("127.0.0.1", s.policy_api.port)}
+        if s.console.enabled:
+            own.add(("127.0.0.1", s.console.port))
         if s.proxy.transparent_port:
             own.add((s.proxy.listen_host, s.proxy.transparent_port))
         if s.dns.listen_host:
@@ -120,6 +122,8 @@ class Daemon:
             tokens = AdminTokens(s.admin_token_file, self.vault.tokens if self.vault is not None else None)
             self.policy_api = policy_api.serve(self.policies, self.access, tokens, port=s.policy_api.port,
                                                audit_hook=self._admin_audit)
+        from cubegate.console import service as console_service   # the web console (console.enabled)
+        self._console = await console_service.start_for(self)
         self.ops_server = start_ops_server(s.ops.listen_host, s.ops.port, self.readiness, self.metrics.render)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, self.reload_policy)
@@ -135,6 +139,8 @@ class Daemon:
             sup.watch("netwatch", self._netwatch.task)
         if self._dns is not None:
             sup.start("sandbox-dns", self._dns.serve())
+        if self._console is not None:
+            sup.start("console-metrics", self._console.sample_loop())
         from egress.engine import widen_listen_backlog  # bursts of connects must not be dropped
         self._backlog = sup.start("listen-backlog", widen_listen_backlog(self.master), forever=False)
         self._master_task = sup.start("mitmproxy", self._run_master())   # run() stops the daemon when it ends
@@ -299,7 +305,8 @@ class Daemon:
             from egress.drain import drain
             await drain(self.master, self.settings.proxy.drain_seconds,
                         close_first=(self.ops_server, getattr(self, "vault_api", None),
-                                     getattr(self, "policy_api", None)))
+                                     getattr(self, "policy_api", None),
+                                     getattr(getattr(self, "_console", None), "server", None)))
             self.master.shutdown()
         if self.ops_server is not None:
             self.ops_server.stop()
@@ -307,6 +314,8 @@ class Daemon:
             self.vault_api.stop()
         if getattr(self, "policy_api", None) is not None:
             self.policy_api.stop()
+        from cubegate.console import service as console_service
+        console_service.stop_for(getattr(self, "_console", None))
         await self.supervisor.stop()
         from cubegate import sandbox_dns
         await sandbox_dns.stop_for(getattr(self, "_dns", None))
@@ -350,5 +359,6 @@ def _admin_record(rec: dict) -> dict:
             "extra": {k: v for k, v in rec.items() if k in
                       ("action", "tenant", "secret_id", "version", "binding_id", "actor", "outcome", "remote",
                        "sandbox", "program", "exit_code", "path", "snapshot", "clones",
-                       "kind", "name", "version", "change", "scope", "request_id", "to_version")}}
+                       "kind", "name", "version", "change", "scope", "request_id", "to_version", "token_id",
+                       "records")}}
 
