@@ -645,6 +645,8 @@ class PolicyGate:
             st.kind, st.denied_reason = "denied", "audit_unavailable"
             self._kill_client(client)
             return
+        if st.transparent:
+            self._count(st, st.decision.action, st.decision.reason, "sni")   # explicit mode counts at CONNECT
         if st.intercept:
             st.kind = "intercept"
         else:
