@@ -27,24 +27,14 @@ import pytest
 import yaml
 
 from tests.console.forwarder import Forwarder
-from tests.gateway.switchlab import HUB_IP, switch_lab
+from tests.sandbox_runtime.daemonlab import REPO, lab_policy, runtime_api, runtime_daemon, runtime_settings
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 CHROMIUM, DRIVER = "/usr/lib/chromium/chromium", "/usr/bin/chromedriver"
 TPORT, API_PORT, CONSOLE_PORT, POLICY_PORT = 18174, 18173, 18175, 18176
 SECRET = "sk-browser-secret-4b8d2f6a9c1e3057"
-POLICY = """\
-name: acme-agents
-tenant: acme
-applies_to: {labels: {tenant: acme}}
-default: deny
-rules:
-  - name: lab
-    action: allow
-    match: {hosts: [api.allowed.test, echo.allowed.test], ports: [443, 80]}
-"""
-REPO = Path(__file__).resolve().parents[2]
+POLICY = lab_policy()
 WAIT = 20
 ASK = ("curl -s --max-time 8 -X POST -H 'Content-Type: application/json' "
        "--data '{\"host\": \"github.test\", \"port\": 443, \"reason\": \"clone the repo\"}' "
@@ -78,22 +68,18 @@ def console(lab, tmp_path_factory):
         gw.cli("vault", "init")
         tokens["admin"] = gw.cli("vault", "token", "create", "--scope", "admin", "--description", "browser").strip()
 
-    settings = {"dns": {"listen_host": HUB_IP, "port": 53},
-                "runtime": {"enabled": True, "api_port": API_PORT, "memory_mb": 1024, "cpus": 1.0,
-                            "max_sandboxes": 4, "host_reserve_mb": 256},
+    settings = {**runtime_settings(API_PORT, memory_mb=1024, cpus=1.0, max_sandboxes=4, host_reserve_mb=256),
                 "console": {"enabled": True, "port": CONSOLE_PORT, "sample_seconds": 1.0},
                 "policy_api": {"port": POLICY_PORT}}
-    with switch_lab(lab, tmp_path_factory.mktemp("console"), POLICY, sandbox=None, tport=TPORT, prefix="cw",
-                    settings_extra=settings, before_start=before_start) as (gw, sw, _):
+    with runtime_daemon(lab, tmp_path_factory.mktemp("console"), POLICY, tport=TPORT, prefix="cw",
+                        settings=settings, before_start=before_start) as (gw, _):
         fwd = Forwarder(lab.gw_ns, CONSOLE_PORT)
         try:
             yield gw, fwd, tokens["admin"]
         finally:
             fwd.close()
             # a sandbox left by a failed run: the runtime API removes it (the daemon stops after this)
-            token = (gw.state_dir / "runtime" / "api.token").read_text().strip()
-            lab.call_gw(lambda: httpx.delete(f"http://127.0.0.1:{API_PORT}/v1/sandboxes/sb-web",
-                                                headers={"Authorization": f"Bearer {token}"}, timeout=30))
+            runtime_api(lab, gw, API_PORT, "DELETE", "/sandboxes/sb-web", timeout=30)
 
 
 @pytest.fixture
@@ -265,10 +251,8 @@ def test_the_console_in_a_browser(console, lab, driver, tmp_path):
     assert "API policy, version 1" in text("#policy-source")
     keep_source()
     shot("policy")
-    r = lab.call_gw(lambda: httpx.post(
-        f"http://127.0.0.1:{API_PORT}/v1/sandboxes/sb-web/exec", timeout=30,
-        headers={"Authorization": f"Bearer {(gw.state_dir / 'runtime' / 'api.token').read_text().strip()}"},
-        json={"argv": ["sh", "-c", ASK], "timeout": 15}))
+    r = runtime_api(lab, gw, API_PORT, "POST", "/sandboxes/sb-web/exec", timeout=30,
+                    json={"argv": ["sh", "-c", ASK], "timeout": 15})
     assert r.status_code == 200 and '"state": "pending"' in r.json()["stdout"].replace('":"', '": "'), r.text
     page("/policies")
     row = driver.find_element(By.CSS_SELECTOR, "#access-requests tbody tr[data-request]")
@@ -285,11 +269,8 @@ def test_the_console_in_a_browser(console, lab, driver, tmp_path):
     # -- audit: a new record appears in the live tail ------------------------------------------
     page("/audit")
     wait.until(lambda d: text("#tail-state") == "live")
-    api_token = (gw.state_dir / "runtime" / "api.token").read_text().strip()
-    r = lab.call_gw(lambda: httpx.post(
-        f"http://127.0.0.1:{API_PORT}/v1/sandboxes/sb-web/exec", timeout=30,
-        headers={"Authorization": f"Bearer {api_token}"},
-        json={"argv": ["sh", "-c", TRAFFIC], "timeout": 30}))
+    r = runtime_api(lab, gw, API_PORT, "POST", "/sandboxes/sb-web/exec", timeout=30,
+                    json={"argv": ["sh", "-c", TRAFFIC], "timeout": 30})
     assert r.status_code == 200, r.text
     wait.until(lambda d: "blocked-by-policy.test" in text("#tail-records"))
     row = [tr.text for tr in driver.find_elements(By.CSS_SELECTOR, "#tail-records tbody tr")
