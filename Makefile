@@ -4,7 +4,7 @@
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
-APT_PACKAGES := gcc libc6-dev qemu-system-x86 busybox-static clang llvm libbpf-dev bpftool nftables bubblewrap iproute2 curl dnsutils tinyproxy procps psmisc hey squid nginx-light mmdebstrap
+APT_PACKAGES := gcc libc6-dev qemu-system-x86 busybox-static clang llvm libbpf-dev bpftool nftables bubblewrap iproute2 curl dnsutils tinyproxy procps psmisc hey squid nginx-light mmdebstrap chromium chromium-driver
 
 .PHONY: setup apt venv demo test bench bpf clean
 

@@ -25,7 +25,7 @@ from egress.audit.index import AuditIndex
 from egress.audit.log import AuditLog
 from egress.audit.record import now_ts
 from egress.identity import Identity, IdentityStore
-from egress.metrics import GatewayMetrics, render_with_workers
+from egress.metrics import GatewayMetrics, WithWorkers
 from egress.mitm_ca import ca_paths, ensure_ca
 from egress.ops_server import Readiness, start_ops_server
 from egress.policy.live import LivePolicies
@@ -89,6 +89,7 @@ class Daemon:
         from cubegate.worker_pool import WorkerPool
         self.workers = WorkerPool(s, count=s.proxy.worker_count, key_env=self._key_env,
                                   registry=self.metrics.registry, answer_agent=self._answer_agent)
+        self.metrics_view = WithWorkers(self.metrics.registry, str(self.workers.metrics_dir))   # /metrics, console
         self._add_readiness_checks()
         self.vault_api = None
         self._start_vault_api()
@@ -100,9 +101,9 @@ class Daemon:
             tokens = AdminTokens(s.admin_token_file, self.vault.tokens if self.vault is not None else None)
             self.policy_api = policy_api.serve(self.policies, self.access, tokens, port=s.policy_api.port,
                                                audit_hook=self._admin_audit)
-        self.ops_server = start_ops_server(
-            s.ops.listen_host, s.ops.port, self.readiness,
-            lambda: render_with_workers(self.metrics.registry, str(self.workers.metrics_dir)))
+        from cubegate.console import service as console_service   # the web console (console.enabled)
+        self._console = await console_service.start_for(self)
+        self.ops_server = start_ops_server(s.ops.listen_host, s.ops.port, self.readiness, self.metrics_view.render)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, self.reload_policy)
         loop.add_signal_handler(signal.SIGUSR2, self.rolling_restart)
@@ -118,6 +119,8 @@ class Daemon:
             sup.watch("netwatch", self._netwatch.task)
         if self._dns is not None:
             sup.start("sandbox-dns", self._dns.serve())
+        if self._console is not None:
+            sup.start("console-metrics", self._console.sample_loop())
         await self.workers.start()
 
     def _open_vault(self):
@@ -271,7 +274,8 @@ class Daemon:
             # Graceful drain (egress/drain.py, in each worker): the admin listeners and every
             # proxy listener closed first so a new gateway can bind, in-flight flows finish
             # up to proxy.drain_seconds.
-            for server in (self.ops_server, getattr(self, "vault_api", None), getattr(self, "policy_api", None)):
+            for server in (self.ops_server, getattr(self, "vault_api", None), getattr(self, "policy_api", None),
+                           getattr(getattr(self, "_console", None), "server", None)):
                 if server is not None:
                     try:
                         server.stop()
@@ -284,6 +288,8 @@ class Daemon:
             self.vault_api.stop()
         if getattr(self, "policy_api", None) is not None:
             self.policy_api.stop()
+        from cubegate.console import service as console_service
+        console_service.stop_for(getattr(self, "_console", None))
         await self.supervisor.stop()
         from cubegate import sandbox_dns
         await sandbox_dns.stop_for(getattr(self, "_dns", None))
@@ -350,5 +356,6 @@ def _admin_record(rec: dict) -> dict:
             "extra": {k: v for k, v in rec.items() if k in
                       ("action", "tenant", "secret_id", "version", "binding_id", "actor", "outcome", "remote",
                        "sandbox", "program", "exit_code", "path", "snapshot", "clones",
-                       "kind", "name", "version", "change", "scope", "request_id", "to_version")}}
+                       "kind", "name", "version", "change", "scope", "request_id", "to_version", "token_id",
+                       "records")}}
 

@@ -18,6 +18,8 @@ async def build_guard(s) -> tuple[netguard.AddressGuard, netguard.GuardedResolve
     """The SSRF guard (our own endpoints are never an upstream) and the guarded resolver."""
     own = {(s.proxy.listen_host, s.proxy.explicit_port), (s.ops.listen_host, s.ops.port),
            ("127.0.0.1", s.vault.api_port), ("127.0.0.1", s.policy_api.port)}
+    if s.console.enabled:
+        own.add(("127.0.0.1", s.console.port))
     if s.proxy.transparent_port:
         own.add((s.proxy.listen_host, s.proxy.transparent_port))
     if s.dns.listen_host:

@@ -275,6 +275,16 @@ class E2bSettings(_Section):
     templates: dict[Str, E2bTemplate] = {}      # more template ids (or overrides of base / code-interpreter-v1)
 
 
+class ConsoleSettings(_Section):
+    enabled: Bool = False                       # the web console (cubegate/console/), loopback only
+    port: PortOrZero = 9094
+    idle_timeout: _seconds(le=86400) = 900.0    # a session unused this long ends (polls and streams do not count)
+    max_session: _seconds(le=7 * 86400) = 43200.0   # and every session ends this long after login
+    tls_cert: ExistingFile | None = None        # both set: HTTPS (cookies then Secure, __Host- names)
+    tls_key: ExistingFile | None = None
+    sample_seconds: _seconds(ge=0.2, le=60) = 5.0   # chart sampling of the daemon's metrics (15 minutes kept)
+
+
 class Settings(_Section):
     state_dir: PathStr = "/var/lib/cubegate"
     policy_dir: PathStr = "policies"
@@ -290,6 +300,7 @@ class Settings(_Section):
     policy_api: PolicyApiSettings = PolicyApiSettings()
     access: AccessSettings = AccessSettings()
     e2b: E2bSettings = E2bSettings()
+    console: ConsoleSettings = ConsoleSettings()
 
     # Derived paths -------------------------------------------------------
     @property
@@ -358,6 +369,10 @@ def _cross_checks(s: Settings) -> list[tuple[tuple, str]]:
     if (s.proxy.workers or 1) > 1 and not s.proxy.fast_path:
         out.append((("proxy", "workers"), "more than one worker needs proxy.fast_path (mitmproxy alone cannot "
                                           "share its listening ports)"))
+    c = s.console
+    if (c.tls_cert is None) != (c.tls_key is None):
+        out.append((("console", "tls_cert" if c.tls_cert is None else "tls_key"),
+                    "console TLS needs both tls_cert and tls_key"))
     return out
 
 

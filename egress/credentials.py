@@ -140,20 +140,40 @@ class VaultCredentials:
         if resp.status_code == 206 or "content-range" in resp.headers:
             return Refusal(502, "range_on_injected_flow",
                            "a partial response on a flow that carried a credential cannot be scrubbed whole")
+        # The reason phrase is free text the upstream chooses: the standard one goes to the sandbox.
+        resp.reason = http.status_codes.RESPONSES.get(resp.status_code, "")
         fields = []
         for name, value in resp.headers.fields:
             fields.append((injection.scrub(name), injection.scrub(value)))
         resp.headers.fields = tuple(fields)
         # The value split over several headers, or spelled with escapes, survives a per-header scrub.
         joined = b"".join(n + v for n, v in fields)
-        if injection.occurs_in(vaultlib.normalize(joined)) or injection.occurs_in(b"".join(v for _, v in fields)):
+        if _visible(injection, joined) or _visible(injection, b"".join(v for _, v in fields)):
             return Refusal(502, "response_unscrubbable",
                            "response headers carry the injected credential in a form that cannot be removed")
         return None
 
+    def scrub_trailers(self, flow: http.HTTPFlow, trailers):
+        """Response trailers on an injected flow: scrubbed; one still carrying the value is dropped."""
+        injection = flow.metadata.get(_INJECTION_KEY)
+        if injection is None:
+            return trailers
+        kept = []
+        for name, value in trailers.fields:
+            name, value = injection.scrub(name), injection.scrub(value)
+            if not _visible(injection, name + value):
+                kept.append((name, value))
+        trailers.fields = tuple(kept)
+        return trailers if kept else None
+
     @property
     def scrubs_bodies(self) -> bool:
         return self.scrub_bodies
+
+
+def _visible(injection, data: bytes) -> bool:
+    """The injected value in `data` in any spelling a receiver could undo (every escape view)."""
+    return bool(vaultlib.Needles([("injected", injection.value_forms)]).find(data))
 
 
 def _header_blob(req: http.Request) -> bytes:

@@ -32,6 +32,8 @@ def build_master(
     every connection and hands it the ones it must see (mitm_internals.hand_over)."""
     mitm_internals.install_safe_error_pages()   # no error page quotes the bytes that failed
     mitm_internals.install_trailer_refusal()     # HTTP/1 trailers are refused, never a hung connection
+    mitm_internals.install_head_limit(gate.max_header_bytes + 16 * 1024)   # request line + headers, bounded
+    mitm_internals.install_websocket_control_scrub()   # ping/pong payloads and close reasons cross empty
     log_redact.install()                         # no engine log line does either
     opts = options.Options()
     master = Master(opts, with_termlog=False)

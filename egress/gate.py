@@ -28,7 +28,7 @@ from egress.bodies import (BodyLimits, BodyRefused, BufferBudget, RefusedRespons
                            ResponseScrubStream, check_request_body, content_encoding, make_decoder,
                            scrub_response_body)
 from egress.http_checks import (PROXY_ONLY_HEADERS, Refusal, check_framing, check_header_limits,
-                                check_request_authority, split_host_port)
+                                check_request_authority, is_websocket_upgrade, split_host_port)
 from egress.conn_state import ConnectionClaims, ConnState
 from egress.destination import AGENT_HOST, decide_destination, needs_interception
 from egress.identity import Identity, IdentityStore
@@ -58,6 +58,8 @@ class CredentialHook(Protocol):
 
     def injected_forms(self, flow: http.HTTPFlow) -> frozenset | None: ...
 
+    def scrub_trailers(self, flow: http.HTTPFlow, trailers) -> Any: ...
+
     def on_response_headers(self, flow: http.HTTPFlow, conn: "ConnState") -> Refusal | None: ...
 
     scrubs_bodies: bool
@@ -80,6 +82,9 @@ class NoCredentials:
 
     def injected_forms(self, flow):
         return None
+
+    def scrub_trailers(self, flow, trailers):
+        return trailers
 
     def on_response_headers(self, flow, conn):
         return None
@@ -158,6 +163,8 @@ class PolicyGate:
         self.body_limits = body_limits or BodyLimits()
         self.buffer_budget = BufferBudget(self.body_limits.max_buffered_bytes_per_sandbox)
         self.claims = ConnectionClaims(max_connections_per_sandbox)   # shared with the fast path
+        self._upstream_per_sandbox: dict[str, set[str]] = {}   # sandbox -> open upstream connection ids
+        self._upstream_owner: dict[str, str] = {}
         self.agent_endpoint = agent_endpoint   # serves cubegate.internal (None: the name is refused like any other)
         self.registered = Registered()   # other data paths' connections (revoke_where closes them too)
 
@@ -522,6 +529,8 @@ class PolicyGate:
             st.kind, st.denied_reason = "denied", "audit_unavailable"
             self._kill_client(client)
             return
+        if st.transparent:
+            self._count(st, st.decision.action, st.decision.reason, "sni")   # explicit mode counts at CONNECT
         if st.intercept:
             st.kind = "intercept"
         else:
@@ -657,6 +666,20 @@ class PolicyGate:
         port = st.conn_port or 80
         if hp is not None and hp != port:
             return Refusal(421, "authority_mismatch", f"Host header names port {hp}, the connection is to port {port}")
+        if flow.request.authority:
+            # An absolute-form target would reach the upstream as it is, and servers route by it
+            # (RFC 9112 3.2.2), not by Host: it must name the same host and port, and goes out
+            # in origin form.
+            try:
+                want = _canonical_host(hh)
+            except ValueError as e:
+                return Refusal(400, "invalid_host", str(e))
+            refusal = check_request_authority(want_host=want, want_port=port, scheme=flow.request.scheme,
+                                              authority=flow.request.authority, host_headers=[],
+                                              normalize=_canonical_host)
+            if refusal is not None:
+                return refusal
+            flow.request.authority = ""
         flow.request.data.host = hh   # _destination normalises and SSRF-checks it
         flow.request.data.port = port
         return None
@@ -759,6 +782,8 @@ class PolicyGate:
         st = self.conns.get(flow.client_conn.id)
         if st is None or st.identity is None:
             return
+        if flow.request.trailers and self._trailers_leak(flow, st):
+            return
         needles = flow.metadata.pop("cubegate_needles", None)
         if needles is not None:
             body = flow.request.raw_content or b""
@@ -781,11 +806,45 @@ class PolicyGate:
                 self._release_buffer(flow, "request")
         self._arm_upstream_timer(flow)  # connect + response head must come within upstream_timeout
 
+    def _trailers_leak(self, flow: http.HTTPFlow, st: ConnState) -> bool:
+        """Request trailers (HTTP/2) are sent after this hook: a secret in them is refused here."""
+        needles = self.credentials.request_needles(flow, st)
+        if isinstance(needles, Refusal) or needles is None or needles.empty:
+            found = () if not isinstance(needles, Refusal) else ("?",)
+        else:
+            fields = flow.request.trailers.fields
+            found = tuple(sorted(needles.find(b"\n".join(k + b": " + v for k, v in fields)
+                                              + b"\n" + b"".join(v for _, v in fields))))
+        if not found:
+            return False
+        reason = needles.reason if isinstance(needles, Refusal) else "credential_leak"
+        if reason == "credential_leak":
+            self.credentials.report_leak(st, found, "trailers")
+        self._audit("request", st, scheme=flow.request.scheme, method=flow.request.method,
+                    path=_path_only(flow.request.path), decision="deny", reason=reason,
+                    extra={"stage": "request_trailers"})
+        self._count(st, "deny", reason, "body")
+        flow.request.trailers = None
+        if flow.request.stream:     # the body is upstream already: cut both sides before the trailers go
+            mitm_internals.abort_now(flow.client_conn.id, flow.client_conn, flow.server_conn)
+            st.kind, st.denied_reason = "denied", reason
+        else:
+            self._release_buffer(flow, "request")
+            flow.metadata.pop("cubegate_needles", None)
+            flow.response = self._deny_response(403, reason, "request trailers carry a secret")
+        return True
+
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         self._disarm_upstream_timer(flow)
         st = self.conns.get(flow.client_conn.id)
         resp = flow.response
         if st is None or resp is None or "cubegate_own_response" in flow.metadata:
+            return
+        if resp.status_code == 101 and not is_websocket_upgrade(flow.request.headers, resp):
+            # Anything but a WebSocket becomes a raw byte pipe that no check sees, in either
+            # direction (and past the per-request policy): refused on every inspected path.
+            self._refuse_response(flow, st, Refusal(502, "upgrade_refused",
+                                                    "only WebSocket upgrades are relayed on inspected connections"))
             return
         forms = self.credentials.injected_forms(flow)
         if forms is None:
@@ -793,6 +852,11 @@ class PolicyGate:
             return
         refusal = self.credentials.on_response_headers(flow, st)
         encoding = content_encoding(resp.headers)
+        te = [v.strip().lower() for v in ",".join(resp.headers.get_all("transfer-encoding")).split(",") if v.strip()]
+        if refusal is None and te and te != ["chunked"]:
+            # A transfer coding mitmproxy does not decode (gzip, chunked) would reach the sandbox
+            # compressed, past the scrubber: refused like an unknown Content-Encoding.
+            refusal = Refusal(502, "response_undecodable", "response Transfer-Encoding other than chunked")
         if refusal is None and self.credentials.scrubs_bodies:
             try:
                 make_decoder(encoding, self.body_limits, what="response")
@@ -801,15 +865,19 @@ class PolicyGate:
         if refusal is not None:
             self._refuse_response(flow, st, refusal)
             return
-        if not self.credentials.scrubs_bodies or not _may_have_body(flow):
-            resp.stream = True
+        if not self.credentials.scrubs_bodies or resp.status_code == 101:
+            resp.stream = True      # a WebSocket's messages are scrubbed in websocket_message
             return
+        body_expected = _may_have_body(flow)
         length = _content_length(resp.headers)
-        if length is not None and self._hold_body(flow, st, length, "response"):
+        if body_expected and length is not None and self._hold_body(flow, st, length, "response"):
             return   # scrubbed whole in response()
+        # Even where no body is expected (HEAD, 204, 304) whatever the upstream sends anyway
+        # (HTTP/2 DATA frames after a 204) goes through the scrubber.
         resp.stream = ResponseScrubStream(forms, encoding, self.body_limits,
                                           lambda r: self._stream_refused(flow, st, r, "response"))
-        _reframe_decoded(flow)
+        if body_expected:
+            _reframe_decoded(flow)
 
     def _refuse_response(self, flow: http.HTTPFlow, st: ConnState, refusal: Refusal) -> None:
         self._audit("response", st, scheme=flow.request.scheme, method=flow.request.method,
@@ -838,6 +906,9 @@ class PolicyGate:
                 flow.response.raw_content = flow.metadata.pop("cubegate_own_response")
             finally:
                 self._release_buffer(flow, "response")
+        if flow.response is not None and flow.response.trailers:
+            # Trailers go out after this hook, past both the header and the body scrub.
+            flow.response.trailers = self.credentials.scrub_trailers(flow, flow.response.trailers)
         t0 = flow.metadata.get("cubegate_t0")
         if t0 is not None and st is not None and st.identity:
             self.metrics.request_latency.labels(st.identity.sandbox_id).observe(time.perf_counter() - t0)
@@ -923,11 +994,38 @@ class PolicyGate:
         if st.host is not None and (host != st.host or port != st.port):
             data.server.error = f"cubegate: upstream {host}:{port} is not the decided destination {st.host}:{st.port}"
             return
+        if not self._claim_upstream(st, data.server):
+            data.server.error = _UPSTREAM_LIMIT
+            return
         if self.connect_timeout:
             # mitmproxy dials without a timeout: a black-holed address would hold the
             # sandbox for the kernel's SYN retries (~2 min).
             self._connect_timers[data.server.id] = asyncio.get_running_loop().call_later(
                 self.connect_timeout, self._connect_timed_out, data.client, data.server)
+
+    def _claim_upstream(self, st: ConnState, server: connection.Server) -> bool:
+        """Upstream connections count per sandbox too: over HTTP/2 mitmproxy opens one upstream
+        connection per stream to an HTTP/1-only server (up to 5 per client connection)."""
+        sandbox = st.identity.sandbox_id if st.identity else None
+        if sandbox is None or not self.max_connections_per_sandbox:
+            return True
+        held = self._upstream_per_sandbox.setdefault(sandbox, set())
+        if len(held) >= self.max_connections_per_sandbox and server.id not in held:
+            return False
+        held.add(server.id)
+        self._upstream_owner[server.id] = sandbox
+        return True
+
+    def _release_upstream(self, server: connection.Server) -> None:
+        sandbox = self._upstream_owner.pop(server.id, None)
+        held = self._upstream_per_sandbox.get(sandbox) if sandbox else None
+        if held is not None:
+            held.discard(server.id)
+            if not held:
+                self._upstream_per_sandbox.pop(sandbox, None)
+
+    def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
+        self._release_upstream(data.server)
 
     def _connect_timed_out(self, client: connection.Client, server: connection.Server) -> None:
         self._connect_timers.pop(server.id, None)
@@ -962,11 +1060,14 @@ class PolicyGate:
 
     def server_connect_error(self, data: server_hooks.ServerConnectionHookData) -> None:
         timed_out = self._connect_done(data.server)
+        self._release_upstream(data.server)
         st = self.conns.get(data.client.id)
         if st is None:
             return
         err = data.server.error or "connect failed"
         reason = "upstream_blocked" if "blocked destination" in err else "upstream_connect_failed"
+        if err == _UPSTREAM_LIMIT:
+            reason = "sandbox_connection_limit"
         if timed_out:
             reason, err = "upstream_connect_timeout", f"no TCP connection within {self.connect_timeout}s"
         st.denied_reason = st.denied_reason or reason
@@ -975,6 +1076,7 @@ class PolicyGate:
 
 
 _INLINE_CHECK_BYTES = 64 * 1024   # larger held bodies are checked in a thread, off the event loop
+_UPSTREAM_LIMIT = "cubegate: the sandbox holds its limit of upstream connections"
 
 
 def _content_length(headers) -> int | None:

@@ -105,3 +105,11 @@ def check_request_authority(*, want_host: str, want_port: int, scheme: str, auth
             return Refusal(421, "authority_mismatch",
                            f"{where} names {name}:{port}, the connection is to {want_host}:{want_port}")
     return None
+
+
+def is_websocket_upgrade(request_headers, response) -> bool:
+    """The 101s mitmproxy hands to its WebSocket layer (whose messages our hooks see). Any other
+    101 becomes a raw byte pipe no hook inspects (mirrors mitmproxy's HttpStream.send_response)."""
+    return (response.status_code == 101
+            and response.headers.get("upgrade", "").lower() == "websocket"
+            and request_headers.get("sec-websocket-version", "") == "13")

@@ -60,38 +60,41 @@ class GatewayMetrics:
         return generate_latest(self.registry)
 
 
-def render_with_workers(registry: CollectorRegistry, multiproc_dir: str | None) -> bytes:
-    """`registry` (the daemon's own) and the workers' values from `multiproc_dir`, one family
-    per name, samples with the same name and labels summed (a `_created` keeps the earliest)."""
-    if multiproc_dir is None:
-        return generate_latest(registry)
-    from prometheus_client import multiprocess
-    from prometheus_client.metrics_core import Metric
-    workers = CollectorRegistry()
-    multiprocess.MultiProcessCollector(workers, path=multiproc_dir)
-    families: dict[str, Metric] = {}
-    values: dict[str, dict[tuple, list]] = {}
-    for reg in (registry, workers):
-        for fam in reg.collect():
-            if fam.name not in families:
-                families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
-                values[fam.name] = {}
-            merged = values[fam.name]
-            for sample in fam.samples:
-                key = (sample.name, tuple(sorted(sample.labels.items())))
-                if key not in merged:
-                    merged[key] = [sample.name, dict(sample.labels), sample.value]
-                elif sample.name.endswith("_created"):
-                    merged[key][2] = min(merged[key][2], sample.value)
-                else:
-                    merged[key][2] += sample.value
-    for name, fam in families.items():
-        for sname, labels, value in values[name].values():
-            fam.add_sample(sname, labels, value)
+class WithWorkers:
+    """The daemon's `registry` and the workers' values from `multiproc_dir`, read like a registry
+    (collect) or rendered: one family per name, samples with the same name and labels summed
+    (a `_created` keeps the earliest)."""
 
-    class _Merged:
-        def collect(self):
-            return list(families.values())
-    out = CollectorRegistry(auto_describe=False)
-    out.register(_Merged())
-    return generate_latest(out)
+    def __init__(self, registry: CollectorRegistry, multiproc_dir: str) -> None:
+        self.registry, self.multiproc_dir = registry, multiproc_dir
+
+    def collect(self) -> list:
+        from prometheus_client import multiprocess
+        from prometheus_client.metrics_core import Metric
+        workers = CollectorRegistry()
+        multiprocess.MultiProcessCollector(workers, path=self.multiproc_dir)
+        families: dict[str, Metric] = {}
+        values: dict[str, dict[tuple, list]] = {}
+        for reg in (self.registry, workers):
+            for fam in reg.collect():
+                if fam.name not in families:
+                    families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                    values[fam.name] = {}
+                merged = values[fam.name]
+                for sample in fam.samples:
+                    key = (sample.name, tuple(sorted(sample.labels.items())))
+                    if key not in merged:
+                        merged[key] = [sample.name, dict(sample.labels), sample.value]
+                    elif sample.name.endswith("_created"):
+                        merged[key][2] = min(merged[key][2], sample.value)
+                    else:
+                        merged[key][2] += sample.value
+        for name, fam in families.items():
+            for sname, labels, value in values[name].values():
+                fam.add_sample(sname, labels, value)
+        return list(families.values())
+
+    def render(self) -> bytes:
+        out = CollectorRegistry(auto_describe=False)
+        out.register(self)
+        return generate_latest(out)

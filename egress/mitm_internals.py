@@ -208,3 +208,85 @@ def original_destination(transport) -> tuple[str, int]:
     if platform.original_addr is None:
         raise RuntimeError("transparent mode is not supported on this platform")
     return platform.original_addr(transport.get_extra_info("socket"))
+
+
+# -- bounded HTTP/1 heads ------------------------------------------------------------
+# mitmproxy buffers an HTTP/1 head until its blank line, however long (its own FIXME):
+# a sandbox (or an upstream) that never ends its head grows the gateway without bound.
+def _head_complete(buf, limit: int) -> bool:
+    head = bytes(buf)[:limit + 4]
+    return b"\r\n\r\n" in head or b"\n\n" in head
+
+
+def install_head_limit(limit: int) -> None:
+    from mitmproxy.proxy import commands, events
+    from mitmproxy.proxy.layers.http._base import ReceiveHttp
+    from mitmproxy.proxy.layers.http._events import ErrorCode, ResponseProtocolError
+
+    def bounded(original, side: str):
+        def read_headers(self, event):
+            if isinstance(event, events.DataReceived) and len(self.buf) > limit \
+                    and not _head_complete(self.buf, limit):
+                if side == "client":        # the sandbox's side
+                    yield commands.SendData(self.conn, _refusal_bytes(431, "head_too_large",
+                                                                      f"request head over {limit} bytes"))
+                    yield commands.CloseConnection(self.conn)
+                else:                       # the upstream's answer
+                    yield commands.CloseConnection(self.conn)
+                    if self.stream_id is not None:
+                        yield ReceiveHttp(ResponseProtocolError(self.stream_id, "upstream response head too large",
+                                                                ErrorCode.GENERIC_SERVER_ERROR))
+                self.buf.clear()
+                return
+            yield from original(self, event)
+        read_headers._cubegate_limit = limit
+        return read_headers
+
+    for cls, side in ((_http1.Http1Server, "client"), (_http1.Http1Client, "server")):
+        original = getattr(cls.read_headers, "_cubegate_original", cls.read_headers)
+        patched = bounded(original, side)
+        patched._cubegate_original = original
+        cls.read_headers = patched
+
+
+def head_limit_installed() -> int | None:
+    a = getattr(_http1.Http1Server.read_headers, "_cubegate_limit", None)
+    b = getattr(_http1.Http1Client.read_headers, "_cubegate_limit", None)
+    return a if a == b else None
+
+
+def _refusal_bytes(status: int, reason: str, detail: str) -> bytes:
+    from mitmproxy.net.http import http1
+    resp = http.Response.make(status, f"cubegate: request refused: {reason}: {detail}\n".encode(),
+                              {"Content-Type": "text/plain; charset=utf-8", "X-Cubegate-Reason": reason,
+                               "Connection": "close"})
+    return http1.assemble_response(resp)
+
+
+# -- WebSocket control frames ------------------------------------------------------------
+# mitmproxy relays ping/pong payloads and close reasons as they came; only data messages
+# reach the websocket_message hook. They carry no application data we need, so they cross
+# the gateway empty (a close keeps its code): neither direction can use them as a channel.
+def install_websocket_control_scrub() -> None:
+    import wsproto.events as wse
+    from mitmproxy.proxy.layers import websocket as ws_layer
+
+    cls = ws_layer.WebsocketConnection
+    if getattr(cls.send2, "_cubegate", False):
+        return
+    original = cls.send2
+
+    def send2(self, event):
+        if isinstance(event, (wse.Ping, wse.Pong)) and event.payload:
+            event = type(event)(payload=b"")
+        elif isinstance(event, wse.CloseConnection) and event.reason:
+            event = wse.CloseConnection(code=event.code, reason=None)
+        return original(self, event)
+
+    send2._cubegate = True
+    cls.send2 = send2
+
+
+def websocket_control_scrub_installed() -> bool:
+    from mitmproxy.proxy.layers import websocket as ws_layer
+    return getattr(ws_layer.WebsocketConnection.send2, "_cubegate", False)

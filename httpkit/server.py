@@ -59,15 +59,18 @@ class Server:
 
 
 def serve(app: tornado.web.Application, *, max_body: int, host: str = "127.0.0.1", port: int = 0,
-          unix_socket: str | None = None, loopback_only: bool = True, what: str = "this API") -> Server:
-    """Start listening on the running asyncio loop. port=0 picks a free port."""
+          unix_socket: str | None = None, loopback_only: bool = True, what: str = "this API",
+          ssl_options=None) -> Server:
+    """Start listening on the running asyncio loop. port=0 picks a free port; ssl_options (an
+    ssl.SSLContext): HTTPS."""
     if unix_socket:
         sockets = [tornado.netutil.bind_unix_socket(unix_socket, mode=0o600)]
     else:
         check_bind_address(host, not loopback_only, what)
         sockets = tornado.netutil.bind_sockets(port, address=host)
     server = tornado.httpserver.HTTPServer(_BodyLimit(app, max_body), max_body_size=max_body, xheaders=False,
-                                          idle_connection_timeout=IDLE_SECONDS, body_timeout=IDLE_SECONDS)
+                                          idle_connection_timeout=IDLE_SECONDS, body_timeout=IDLE_SECONDS,
+                                          ssl_options=ssl_options)
     server.add_sockets(sockets)
     return Server(server, sockets, unix_socket)
 

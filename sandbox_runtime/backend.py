@@ -76,7 +76,8 @@ class Backend(Protocol):
         once its exec agent answered. On any failure: clean up everything, raise SandboxError."""
 
     def exec(self, h: Handle, argv: list[str], *, timeout: float = 30.0, env: dict[str, str] | None = None,
-             stdin: bytes = b"", cwd: str = "/workspace") -> ExecResult: ...
+             stdin: bytes = b"", cwd: str = "/workspace", on_output=None) -> ExecResult:
+        """on_output(stream, chunk), when given, is called with output as it arrives."""
 
     def write_file(self, h: Handle, path: str, data: bytes, mode: int = 0o644) -> None: ...
 

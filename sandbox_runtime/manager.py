@@ -318,7 +318,8 @@ class SandboxManager:
 
     # ------------------------------------------------------------------ use
     def exec(self, sandbox_id: str, argv: list[str], *, timeout: float = 30.0, env: dict | None = None,
-             stdin: bytes = b"", cwd: str = "/workspace") -> ExecResult:
+             stdin: bytes = b"", cwd: str = "/workspace", on_output=None) -> ExecResult:
+        """on_output(stream, chunk): output as it arrives (the exec console streams it)."""
         if not argv or not all(isinstance(a, str) and "\0" not in a for a in argv):
             raise InvalidRequest("argv must be a non-empty list of strings")
         if not 0 < timeout <= 3600:
@@ -326,15 +327,16 @@ class SandboxManager:
         if not isinstance(cwd, str) or "\0" in cwd:
             raise InvalidRequest("cwd must be a string without NUL")
         with self._use(sandbox_id) as rec:
-            return self._exec(rec, argv, timeout, env or {}, stdin, cwd)
+            return self._exec(rec, argv, timeout, env or {}, stdin, cwd, on_output)
 
-    def _exec(self, rec: SandboxRecord, argv, timeout, env, stdin, cwd) -> ExecResult:
+    def _exec(self, rec: SandboxRecord, argv, timeout, env, stdin, cwd, on_output=None) -> ExecResult:
         # argv and cwd too: `sh -c 'echo <key> > f'` would put the key into the sandbox.
         self._refuse_real_secrets(rec.tenant, rec.id, [*argv, cwd, *(str(x) for kv in env.items() for x in kv)],
                                   stdin)
         validate_env(env)
         try:
-            res = self._backend(rec.backend).exec(rec.handle, argv, timeout=timeout, env=env, stdin=stdin, cwd=cwd)
+            res = self._backend(rec.backend).exec(rec.handle, argv, timeout=timeout, env=env, stdin=stdin, cwd=cwd,
+                                                  **({"on_output": on_output} if on_output is not None else {}))
         except SandboxError:
             self.metrics.execs.labels(rec.backend, "error").inc()
             raise

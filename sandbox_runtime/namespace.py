@@ -467,8 +467,8 @@ class NamespaceBackend:
 
     # ------------------------------------------------------------ operations
     def exec(self, h: Handle, argv: list[str], *, timeout: float = 30.0, env: dict[str, str] | None = None,
-             stdin: bytes = b"", cwd: str = "/workspace") -> ExecResult:
-        return self._client(h).exec(argv, timeout=timeout, env=env, stdin=stdin, cwd=cwd)
+             stdin: bytes = b"", cwd: str = "/workspace", on_output=None) -> ExecResult:
+        return self._client(h).exec(argv, timeout=timeout, env=env, stdin=stdin, cwd=cwd, on_output=on_output)
 
     def write_file(self, h: Handle, path: str, data: bytes, mode: int = 0o644) -> None:
         self._client(h).write_file(path, data, mode)

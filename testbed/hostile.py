@@ -131,6 +131,7 @@ class Reply:
     informational: list[tuple[int, list[tuple[str, str]]]] = field(default_factory=list)
     raw_h1: Callable[["H1Handler"], None] | None = None   # writes the whole HTTP/1.1 answer itself
     websocket: bool = False
+    trailers: list[tuple[str, str]] = field(default_factory=list)   # HTTP/2 only: sent after the body
 
 
 # --------------------------------------------------------------------------- shapes
@@ -533,7 +534,8 @@ def serve_h2(sock: ssl.SSLSocket, srv: "Server") -> None:
         sock.sendall(conn.data_to_send())
         return out
 
-    def send_body(stream_id: int, chunks: Iterable[bytes], queue: list[int]) -> None:
+    def send_body(stream_id: int, chunks: Iterable[bytes], trailers: list[tuple[str, str]],
+                  queue: list[int]) -> None:
         for chunk in chunks:
             view = memoryview(chunk)
             while view:
@@ -544,7 +546,11 @@ def serve_h2(sock: ssl.SSLSocket, srv: "Server") -> None:
                 conn.send_data(stream_id, bytes(view[:window]))
                 sock.sendall(conn.data_to_send())
                 view = view[window:]
-        conn.end_stream(stream_id)
+        if trailers:
+            conn.send_headers(stream_id, [(k.encode("latin-1"), v.encode("latin-1")) for k, v in trailers],
+                              end_stream=True)
+        else:
+            conn.end_stream(stream_id)
         sock.sendall(conn.data_to_send())
 
     queue: list[int] = []
@@ -583,7 +589,7 @@ def serve_h2(sock: ssl.SSLSocket, srv: "Server") -> None:
             chunks = reply.body
         conn.send_headers(sid, [(k.encode("latin-1"), v.encode("latin-1")) for k, v in hdrs])
         sock.sendall(conn.data_to_send())
-        send_body(sid, [] if req.method == "HEAD" else chunks, queue)
+        send_body(sid, [] if req.method == "HEAD" else chunks, reply.trailers, queue)
 
 
 # ------------------------------------------------------------------------------ server
@@ -635,22 +641,31 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     log = RequestLog(args.log)
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(args.cert, args.key)
-    ctx.set_alpn_protocols(["h2", "http/1.1"])
+    ctx = tls_context(args.cert, args.key, ["h2", "http/1.1"])
     servers: list[Server] = []
     for bind in args.bind:
         servers.append(Server((bind, args.http_port), None, log))
         servers.append(Server((bind, args.https_port), ctx, log))
         for port in args.extra_port:
             servers.append(Server((bind, port), None, log))
+    return serve_until_stopped(servers, "hostile")
+
+
+def tls_context(cert: str, key: str, alpn: list[str]) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    ctx.set_alpn_protocols(alpn)
+    return ctx
+
+
+def serve_until_stopped(servers: list[Server], name: str) -> int:
+    """Serve every server in its own thread, say READY, and stop on SIGTERM/SIGINT."""
     for server in servers:
         threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
-
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    print("READY hostile " + " ".join(f"{s.server_address[0]}:{s.server_address[1]}" for s in servers), flush=True)
+    print(f"READY {name} " + " ".join(f"{s.server_address[0]}:{s.server_address[1]}" for s in servers), flush=True)
     while not stop.wait(0.2):
         pass
     for server in servers:
@@ -718,6 +733,12 @@ def ensure_hostile(lab) -> HostileUpstream:
         argv += ["--bind", ip]
     for port in EXTRA_PORTS:
         argv += ["--extra-port", str(port)]
+    lab._hostile = HostileUpstream(lab, log_path, spawn_upstream(lab, argv, "hostile"))
+    return lab._hostile
+
+
+def spawn_upstream(lab, argv: list[str], name: str):
+    """Start an upstream process in the lab's net namespace and wait (10 s at most) for its READY line."""
     popen = lab.spawn_net(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
     deadline = time.monotonic() + 10
     line = ""
@@ -727,10 +748,9 @@ def ensure_hostile(lab) -> HostileUpstream:
             break
     if not line.startswith("READY"):
         popen.kill()
-        raise RuntimeError(f"hostile upstream did not start: {line!r}")
+        raise RuntimeError(f"{name} upstream did not start: {line!r}")
     threading.Thread(target=lambda: [None for _ in popen.stdout], daemon=True).start()  # keep the pipe drained
-    lab._hostile = HostileUpstream(lab, log_path, popen)
-    return lab._hostile
+    return popen
 
 
 if __name__ == "__main__":

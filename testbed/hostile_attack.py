@@ -34,13 +34,8 @@ from __future__ import annotations
 import argparse
 import base64
 import gzip
-import signal
-import ssl
-import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from testbed import hostile
@@ -51,11 +46,6 @@ ATTACK_HOSTS = {
     "evh1.allowed.test": "198.18.0.37",      # bound (ekey), TLS with http/1.1 only
 }
 H1_ONLY = ("evh1.allowed.test",)
-
-
-@dataclass
-class TrailerReply(Reply):
-    trailers: list[tuple[str, str]] = field(default_factory=list)
 
 
 def mixed_case_hex(data: bytes) -> str:
@@ -139,8 +129,8 @@ def route(req: Request, log: RequestLog) -> Reply:
         return Reply(raw_h1=raw)
     if path == "/trailers":
         body = b"body without the key\n"
-        return TrailerReply(200, text, body if q.get("cl") == "1" else iter([body]),
-                            trailers=[("x-trailer-leak", key.decode("latin-1"))])
+        return Reply(200, text, body if q.get("cl") == "1" else iter([body]),
+                     trailers=[("x-trailer-leak", key.decode("latin-1"))])
     if path == "/nobody":
         code = int(q.get("code", "204"))
 
@@ -220,112 +210,8 @@ def route(req: Request, log: RequestLog) -> Reply:
 _hostile_route = hostile.route
 
 
-def serve_h2(sock: ssl.SSLSocket, srv) -> None:
-    """testbed.hostile.serve_h2 plus trailers (TrailerReply) and bodies on any status."""
-    import h2.config
-    import h2.connection
-    import h2.events
-    import h2.exceptions
-
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(
-        client_side=False, header_encoding=None, validate_inbound_headers=False,
-        normalize_inbound_headers=False, validate_outbound_headers=False))
-    conn.initiate_connection()
-    sock.sendall(conn.data_to_send())
-    sock.settimeout(hostile.IDLE_TIMEOUT)
-    pending: dict[int, dict] = {}
-
-    def pump(events: list) -> list[int]:
-        done = []
-        for ev in events:
-            if isinstance(ev, h2.events.RequestReceived):
-                pending[ev.stream_id] = {"headers": [(k.decode("latin-1"), v.decode("latin-1"))
-                                                     for k, v in ev.headers], "body": hostile.BodyReader()}
-                if ev.stream_ended:
-                    done.append(ev.stream_id)
-            elif isinstance(ev, h2.events.DataReceived):
-                st = pending.get(ev.stream_id)
-                if st is not None:
-                    st["body"].feed(ev.data)
-                conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
-            elif isinstance(ev, h2.events.TrailersReceived):
-                st = pending.get(ev.stream_id)
-                if st is not None:
-                    st["body"].trailers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in ev.headers]
-            elif isinstance(ev, h2.events.StreamEnded):
-                done.append(ev.stream_id)
-            elif isinstance(ev, h2.events.ConnectionTerminated):
-                raise ConnectionError("h2 connection terminated")
-        return done
-
-    def read_more() -> list[int]:
-        data = sock.recv(65536)
-        if not data:
-            raise ConnectionError("h2 peer closed")
-        try:
-            events = conn.receive_data(data)
-        except h2.exceptions.ProtocolError as e:
-            raise ConnectionError(f"h2 protocol error: {e}") from None
-        out = pump(events)
-        sock.sendall(conn.data_to_send())
-        return out
-
-    queue: list[int] = []
-    while True:
-        if not queue:
-            queue += read_more()
-            continue
-        sid = queue.pop(0)
-        st = pending.pop(sid, None)
-        if st is None:
-            continue
-        pseudo = {k: v for k, v in st["headers"] if k.startswith(":")}
-        regular = [(k, v) for k, v in st["headers"] if not k.startswith(":")]
-        req = Request(rid=srv.log.next_id(), proto="h2", tls=True, method=pseudo.get(":method", "?"),
-                      target=pseudo.get(":path", "/"), headers=regular, authority=pseudo.get(":authority"))
-        body = st["body"]
-        body.complete = True
-        srv.log.write("request", rid=req.rid, proto="h2", tls=True, method=req.method, target=req.target,
-                      path=req.path, host=[v for k, v in regular if k.lower() == "host"],
-                      authority=req.authority, headers=req.headers,
-                      server=f"{srv.server_address[0]}:{srv.server_address[1]}")
-        body.log(srv.log, req.rid, req.path)
-        req.body = bytes(body.kept)
-        reply = route(req, srv.log)
-        if reply.raw_h1 is not None or reply.websocket:
-            reply = Reply(501, [("content-type", "text/plain")], b"HTTP/1.1 only\n")
-        hdrs = [(":status", str(reply.status)), *[(k.lower(), v) for k, v in reply.headers]]
-        chunks = [reply.body] if isinstance(reply.body, bytes) else list(reply.body)
-        if isinstance(reply.body, bytes):
-            hdrs.append(("content-length", str(len(reply.body))))
-        trailers = getattr(reply, "trailers", [])
-        conn.send_headers(sid, [(k.encode("latin-1"), v.encode("latin-1")) for k, v in hdrs])
-        for chunk in ([] if req.method == "HEAD" else chunks):
-            if chunk:
-                conn.send_data(sid, chunk)
-        if trailers:
-            conn.send_headers(sid, [(k.encode("latin-1"), v.encode("latin-1")) for k, v in trailers],
-                              end_stream=True)
-        else:
-            conn.end_stream(sid)
-        sock.sendall(conn.data_to_send())
-
-
-class H1OnlyServer(hostile.Server):
-    def finish_request(self, request, client_address) -> None:
-        self.log.write("connect", server=f"{self.server_address[0]}:{self.server_address[1]}",
-                       client=f"{client_address[0]}:{client_address[1]}", tls=self.tls)
-        request.settimeout(hostile.HANDSHAKE_TIMEOUT)
-        try:
-            request = self.tls_context.wrap_socket(request, server_side=True)
-        except (ssl.SSLError, OSError):
-            return
-        hostile.ThreadingHTTPServer.finish_request(self, request, client_address)
-
-
 def main(argv: list[str] | None = None) -> int:
     hostile.route = route             # this process only: the handlers look their route up here
-    hostile.serve_h2 = serve_h2
     parser = argparse.ArgumentParser(description="cubegate lab: hostile upstream for attack passes")
     parser.add_argument("--bind", action="append", default=[])
     parser.add_argument("--h1-only", action="append", default=[])
@@ -335,31 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     log = RequestLog(args.log)
-
-    def tls_ctx(alpn: list[str]) -> ssl.SSLContext:
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.load_cert_chain(args.cert, args.key)
-        ctx.set_alpn_protocols(alpn)
-        return ctx
-
     servers: list[hostile.Server] = []
     for bind in args.bind:
         servers.append(hostile.Server((bind, 80), None, log))
-        servers.append(hostile.Server((bind, 443), tls_ctx(["h2", "http/1.1"]), log))
-    for bind in args.h1_only:
-        servers.append(H1OnlyServer((bind, 443), tls_ctx(["http/1.1"]), log))
-    for server in servers:
-        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    print("READY hostile-attack " + " ".join(f"{s.server_address[0]}:{s.server_address[1]}" for s in servers),
-          flush=True)
-    while not stop.wait(0.2):
-        pass
-    for server in servers:
-        server.server_close()
-    return 0
+        servers.append(hostile.Server((bind, 443), hostile.tls_context(args.cert, args.key, ["h2", "http/1.1"]), log))
+    for bind in args.h1_only:   # ALPN never picks h2 here: every connection is served as HTTP/1.1
+        servers.append(hostile.Server((bind, 443), hostile.tls_context(args.cert, args.key, ["http/1.1"]), log))
+    return hostile.serve_until_stopped(servers, "hostile-attack")
 
 
 def ensure_attack_upstream(lab) -> hostile.HostileUpstream:
@@ -375,18 +243,7 @@ def ensure_attack_upstream(lab) -> hostile.HostileUpstream:
             "--log", str(log_path)]
     for name, ip in ATTACK_HOSTS.items():
         argv += ["--h1-only" if name in H1_ONLY else "--bind", ip]
-    popen = lab.spawn_net(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
-    deadline = time.monotonic() + 10
-    line = ""
-    while time.monotonic() < deadline:
-        line = popen.stdout.readline()
-        if line.startswith("READY") or not line:
-            break
-    if not line.startswith("READY"):
-        popen.kill()
-        raise RuntimeError(f"hostile-attack upstream did not start: {line!r}")
-    threading.Thread(target=lambda: [None for _ in popen.stdout], daemon=True).start()
-    up = hostile.HostileUpstream(lab, log_path, popen)
+    up = hostile.HostileUpstream(lab, log_path, hostile.spawn_upstream(lab, argv, "hostile-attack"))
     up.hosts = dict(ATTACK_HOSTS)
     lab._hostile_attack = up
     return up

@@ -70,6 +70,31 @@ class Binding:
 # ---------------------------------------------------------------------------
 # parsing and validation
 
+def doc_from_options(*, binding_id: str | None, tenant: str | None, secret_id: str | None,
+                     hosts: Iterable[str] = (), ports: Iterable[int] = (), methods: Iterable[str] = (),
+                     path_prefixes: Iterable[str] = (), allow_plaintext: bool = False, header: str | None = None,
+                     fmt: str = "Bearer {secret}", query: str | None = None, basic_user: str | None = None,
+                     placeholder: bool = False) -> dict:
+    """A binding document from the CLI's options (and the console's form fields, which are the same),
+    for Vault.add_binding to validate. ValueError unless exactly one of header/query/basic_user."""
+    kinds = [k for k in (header, query, basic_user) if k]
+    if len(kinds) != 1:
+        raise ValueError("give exactly one of header, query, basic user")
+    if header:
+        inject = {"type": "header", "name": header, "format": fmt}
+    elif query:
+        inject = {"type": "query", "name": query}
+    else:
+        inject = {"type": "basic", "username": basic_user}
+    match: dict[str, Any] = {"hosts": list(hosts), "ports": list(ports) or [443], "allow_plaintext": allow_plaintext}
+    if methods:
+        match["methods"] = list(methods)
+    if path_prefixes:
+        match["path_prefixes"] = list(path_prefixes)
+    return {"id": binding_id, "tenant": tenant, "secret_id": secret_id, "match": match,
+            "inject": inject, "placeholder": placeholder}
+
+
 def parse_binding(doc: Any) -> Binding:
     """Validate a binding document; raise InvalidBinding listing every problem."""
     errs: list[str] = []

@@ -22,6 +22,7 @@ import click
 from typing import Callable, Protocol
 
 from . import crypto
+from .bindings import doc_from_options
 from .core import Vault
 from .errors import VaultError
 from .keysource import PASSPHRASE_ENV, unseal_from
@@ -304,22 +305,13 @@ def binding_add(st: _State, json_file, binding_id, tenant, secret_id, hosts, por
         if json_file is not None:
             doc = json.load(json_file)
         else:
-            kinds = [k for k in (header, query, basic_user) if k]
-            if len(kinds) != 1:
-                raise click.UsageError("give exactly one of --header, --query, --basic-user")
-            if header:
-                inject = {"type": "header", "name": header, "format": fmt}
-            elif query:
-                inject = {"type": "query", "name": query}
-            else:
-                inject = {"type": "basic", "username": basic_user}
-            match = {"hosts": list(hosts), "ports": list(ports) or [443], "allow_plaintext": allow_plaintext}
-            if methods:
-                match["methods"] = list(methods)
-            if path_prefixes:
-                match["path_prefixes"] = list(path_prefixes)
-            doc = {"id": binding_id, "tenant": tenant, "secret_id": secret_id, "match": match,
-                   "inject": inject, "placeholder": placeholder}
+            try:
+                doc = doc_from_options(binding_id=binding_id, tenant=tenant, secret_id=secret_id, hosts=hosts,
+                                       ports=ports, methods=methods, path_prefixes=path_prefixes,
+                                       allow_plaintext=allow_plaintext, header=header, fmt=fmt, query=query,
+                                       basic_user=basic_user, placeholder=placeholder)
+            except ValueError:
+                raise click.UsageError("give exactly one of --header, --query, --basic-user") from None
         v = st.open()
         b = v.add_binding(doc)
         v.close()

@@ -5,17 +5,21 @@ responses. Base64 is covered at every alignment (the value may sit at any
 offset inside a longer base64 string, e.g. "user:secret" in Basic auth).
 
 `value_forms` lists spellings to look for (and to replace) literally;
-`normalize` is the decoding-only view of some data in which escaped
-spellings (percent, JSON/JS, HTML) show up as the bytes they stand for, so a
-matcher needs no form per escaping scheme.
+`decode_round` decodes one round of escapes (percent, JSON/JS, HTML) of some
+or all families, so escaped spellings show up as the bytes they stand for and
+a matcher needs no form per escaping scheme. `normalize` is one such view
+(all families at once, three rounds); a leak check needs every view
+(`scan.VIEWS`): an escape starter next to a spelled value can make the
+all-at-once decode eat part of it.
 """
 from __future__ import annotations
 
 import base64
+import heapq
 import html.entities
 import json
 import re
-from itertools import islice
+from itertools import accumulate
 from urllib.parse import quote, quote_plus
 
 REDACTED = b"[REDACTED]"
@@ -33,9 +37,10 @@ MAX_ESCAPE_EXPANSION = ROUND_EXPANSION ** 3 + ROUND_EXPANSION ** 2 + ROUND_EXPAN
 # Named HTML entities for ASCII characters that fit the 8-byte budget (&lowbar; &sol; &amp; ...).
 _NAMED = {("&" + name).encode(): ch.encode() for name, ch in html.entities.html5.items()
           if name.endswith(";") and len(ch) == 1 and ord(ch) < 128 and len(name) <= 7}
+FAMILIES = b"%\\&"   # the escape families by their first byte: percent, JSON/JS backslash, HTML entity
 # One pattern per first byte: each has a literal prefix, so the regex engine skips to
-# candidates fast. Their matches never overlap (no escape holds another's first byte
-# past its own start), so together they decode like one alternation would.
+# candidates fast. Their matches never overlap (no escape holds another family's first
+# byte), so the families can be decoded one by one and spliced together.
 _FAMILIES = {
     b"%": re.compile(rb"%[0-9A-Fa-f]{2}"),
     b"\\": re.compile(rb"\\(?:u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"  # surrogate pair
@@ -43,7 +48,8 @@ _FAMILIES = {
     b"&": re.compile(rb"&(?:#(?:[0-9]{1,5}(?![0-9])|[xX][0-9a-fA-F]{1,4}(?![0-9a-fA-F]));?"
                      rb"|[A-Za-z]{2,6};)"),
 }
-_MERGE_LIMIT = 20_000   # matches spliced in Python; past that re.sub does the bulk
+_SPLITTERS = {first: re.compile(b"(" + pattern.pattern + b")") for first, pattern in _FAMILIES.items()}
+_SLICE = 256 * 1024     # decode at most this much at once: bounds the list of pieces
 _HEX = "0123456789abcdefABCDEF"
 _FIXED: dict[bytes, bytes] = dict(_NAMED)   # escapes that decode without arithmetic
 for _a in _HEX:
@@ -53,6 +59,17 @@ for _a in _HEX:
         _FIXED[f"\\x{_a}{_b}".encode()] = _byte
         _FIXED[f"\\u00{_a}{_b}".encode()] = chr(_byte[0]).encode()
 _FIXED.update({b"\\/": b"/", b'\\"': b'"', b"\\\\": b"\\"})
+
+
+def starters(families: bytes) -> tuple[bytes, ...]:
+    """The first bytes of the escapes of `families` (e.g. FAMILIES, or b"%" alone)."""
+    found = _STARTERS.get(families)
+    if found is None:
+        found = _STARTERS[families] = tuple(families[i:i + 1] for i in range(len(families)))
+    return found
+
+
+_STARTERS: dict[bytes, tuple[bytes, ...]] = {}
 
 
 def _decode(s: bytes) -> bytes:
@@ -75,58 +92,91 @@ def _decode(s: bytes) -> bytes:
     return chr(cp).encode()
 
 
-def decode_round(data: bytes, stop: int | None = None) -> tuple[bytes, int]:
+def _pieces(data: bytes, families: bytes) -> list[bytes]:
+    """`data` as [literal, escape, literal, ..., literal] for the escapes of `families`."""
+    present = [first for first in starters(families) if first in data]
+    if len(present) <= 1:
+        return _SPLITTERS[present[0]].split(data) if present else [data]
+    # Split by the most frequent family (in C; judged by a sample); splice the others in.
+    dense = max(present, key=lambda first: data.count(first, 0, 8192))
+    split = _SPLITTERS[dense].split
+    sparse = heapq.merge(*(_FAMILIES[first].finditer(data) for first in present if first != dense),
+                         key=lambda m: m.start())
+    out, pos = [], 0
+    for m in sparse:
+        out += split(data[pos:m.start()])
+        out.append(m[0])
+        pos = m.end()
+    out += split(data[pos:])
+    return out
+
+
+def _cut(pieces: list[bytes], n: int, stop: int) -> int:
+    """Drop what starts at or after `stop` (an escape started before it stays whole);
+    returns how many input bytes the remaining pieces stand for."""
+    pos = n
+    for i in range(len(pieces) - 1, -1, -1):
+        start = pos - len(pieces[i])
+        if start < stop:
+            del pieces[i + 1:]
+            if i % 2:                                 # an escape: decoded whole
+                return pos
+            pieces[i] = pieces[i][:stop - start]
+            return stop
+        pos = start
+    pieces[:] = [b""]
+    return 0
+
+
+def decode_round_marked(data: bytes, stop: int, families: bytes = FAMILIES,
+                        max_marks: int = 0) -> tuple[bytes, int, tuple | None]:
+    """decode_round on at most a slice, with where it changed something: (decoded,
+    consumed, marks), marks the (start, end) output spans of the decoded escapes, or
+    None if there were more than `max_marks` (then: treat everything as changed)."""
+    pieces = _pieces(data, families)
+    if len(pieces) == 1:
+        return data[:stop], stop, ()
+    end = _cut(pieces, len(data), stop) if stop < len(data) else len(data)
+    escapes = pieces[1::2]
+    decoded = list(map(_FIXED.get, escapes))
+    if None in decoded:
+        decoded = [d if d is not None else _decode(e) for d, e in zip(decoded, escapes)]
+    pieces[1::2] = decoded
+    marks = None
+    if len(decoded) <= max_marks:
+        ends = list(accumulate(map(len, pieces)))
+        marks = tuple((ends[i - 1], ends[i]) for i in range(1, len(pieces), 2))
+    return b"".join(pieces), end, marks
+
+
+def decode_round(data: bytes, stop: int | None = None,
+                 families: bytes = FAMILIES) -> tuple[bytes, int]:
     """One round of escape decoding: (decoded bytes, input bytes they stand for).
 
+    `families`: which escapes to decode (all, or some of b"%", b"\\\\", b"&").
     Escapes that start at or after `stop` are left undecoded and not consumed,
     so a stream can decode a prefix now and the rest once more bytes arrived.
     With stop=None everything is consumed. Every escape shrinks when decoded,
     so `len(decoded) == consumed` means nothing changed.
     """
+    data = bytes(data)
     n = len(data)
     if stop is None or stop > n:
         stop = n
-    found = {first: list(islice(pattern.finditer(data), _MERGE_LIMIT + 1))
-             for first, pattern in _FAMILIES.items() if first in data}
-    if not any(found.values()):
-        return data[:stop], stop
-    # Few matches: splice them in here. Many of one family (JSON's \/ and \"): let
-    # re.sub decode that family in C and splice the others in around it.
-    bulk_first = max(found, key=lambda first: len(found[first]))
-    if len(found[bulk_first]) <= _MERGE_LIMIT:
-        bulk_first = None
-    others = sorted((m for first in found if first != bulk_first
-                     for m in (found[first] if len(found[first]) <= _MERGE_LIMIT
-                               else _FAMILIES[first].finditer(data))), key=lambda m: m.start())
-    end, base, parts, pos = stop, 0, [], 0
-
-    def repl(m: re.Match) -> bytes:
-        nonlocal end
-        if base + m.start() >= stop:
-            return m[0]
-        end = max(end, base + m.end())                # an escape may run past stop
-        return _decode(m[0])
-
-    def literal(segment: bytes) -> bytes:
-        return segment if bulk_first is None else _FAMILIES[bulk_first].sub(repl, segment)
-
-    for m in others:
-        if m.start() >= stop:
-            break
-        base = pos
-        parts.append(literal(data[pos:m.start()]))
-        parts.append(_decode(m[0]))
-        pos = m.end()
-        end = max(end, pos)
-    base = pos
-    parts.append(literal(data[pos:]))
-    out = b"".join(parts)
-    return out[:len(out) - (n - end)], end
+    parts, pos = [], 0
+    while True:                      # slice by slice: the same parse, bounded lists
+        piece_stop = min(stop, pos + _SLICE)
+        out, used, _ = decode_round_marked(data[pos:piece_stop + MAX_ESCAPE_LEN], piece_stop - pos, families)
+        parts.append(out)
+        pos += used
+        if pos >= stop:
+            return b"".join(parts), pos
 
 
 def normalize(data: bytes) -> bytes:
-    """Decoding-only view for matching: percent, JSON/JS and HTML numeric escapes decoded,
-    up to ESCAPE_ROUNDS times over. Invalid escapes stay; never longer than `data`."""
+    """One decoding-only view: percent, JSON/JS and HTML numeric escapes decoded all at
+    once, up to ESCAPE_ROUNDS times over. Invalid escapes stay; never longer than `data`.
+    Not a leak check by itself: use scan.Needles, which matches every view."""
     data = bytes(data)
     for _ in range(ESCAPE_ROUNDS):
         out, _ = decode_round(data)

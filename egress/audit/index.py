@@ -130,6 +130,16 @@ class AuditIndex:
             rows = self._conn.execute(sql, args).fetchall()
         return [json.loads(raw) for (raw,) in rows]
 
+    def top_hosts(self, *, decision: str = "deny", since: str | datetime | None = None,
+                  limit: int = 10) -> list[tuple[str, int]]:
+        """(host, records) with that decision since then, most first (the console's top denied hosts)."""
+        flt = RecordFilter.build(decision=decision, since=since)
+        where, args = _where(flt)
+        sql = ("SELECT host, count(*) AS n FROM records WHERE host IS NOT NULL AND " + " AND ".join(where)
+               + " GROUP BY host ORDER BY n DESC, host LIMIT ?")
+        with self._lock:
+            return [(h, n) for h, n in self._conn.execute(sql, [*args, int(limit)]).fetchall()]
+
     def count(self) -> int:
         with self._lock:
             return self._conn.execute("SELECT count(*) FROM records").fetchone()[0]

@@ -358,6 +358,7 @@ class FastPath:
             return
         st.tunnel = True
         self._register(c)
+        self._count(st, decision.action, decision.reason, "sni")   # explicit mode counts at CONNECT
         await self._pass_through(c, verdict.addresses)
 
     # ------------------------------------------------------------ passthrough

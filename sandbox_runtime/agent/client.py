@@ -23,6 +23,9 @@ FILE_CHUNK = 8 << 20     # chunked file transfer: one 'A'/'H' frame each
 GRACE_S = 5.0            # every call's socket timeout = its own timeout + this
 
 
+OutputHook = Callable[[str, bytes], None]
+
+
 class AgentError(SandboxError):
     """The agent answered with an error ('F') or broke the protocol."""
 
@@ -127,7 +130,8 @@ class AgentClient:
         return self._simple(b"G", _fields(path, str(max_bytes)), b"D", self.io_timeout)
 
     def exec(self, argv: list[str], timeout: float = 30.0, env: dict[str, str] | None = None,
-             stdin: bytes = b"", cwd: str = "/workspace") -> ExecResult:
+             stdin: bytes = b"", cwd: str = "/workspace", on_output: OutputHook | None = None) -> ExecResult:
+        """on_output("stdout"|"stderr", chunk) as each frame arrives (the result still holds it all)."""
         req = encode_frame(b"E", encode_exec(list(argv), timeout, env or {}, cwd))
         t0 = time.monotonic()
         out, err = bytearray(), bytearray()
@@ -146,8 +150,12 @@ class AgentClient:
                         kind, payload = recv_frame(s)
                         if kind == b"O":
                             _append_capped(out, payload)
+                            if on_output is not None:
+                                on_output("stdout", payload)
                         elif kind == b"R":
                             _append_capped(err, payload)
+                            if on_output is not None:
+                                on_output("stderr", payload)
                         elif kind == b"X":
                             break
                         elif kind == b"S":

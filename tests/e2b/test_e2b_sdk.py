@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
 from testbed.netns import call_in_netns
-from tests.gateway.switchlab import HUB_IP, switch_lab
+from tests.sandbox_runtime.daemonlab import (REPO, lab_policy, put_placeholder_secret, runtime_daemon, runtime_settings,
+                                             runtime_token)
 
 pytestmark = pytest.mark.netns
 pytest.importorskip("e2b")
@@ -23,44 +23,26 @@ pytest.importorskip("e2b_code_interpreter")
 
 TPORT, API_PORT, E2B_PORT = 18174, 18173, 18175
 SECRET = "sk-live-e2b-8a7b6c5d4e3f2a1b0c9d"
-POLICY = """\
-name: acme-agents
-tenant: acme
-applies_to: {labels: {tenant: acme}}
-default: deny
-rules:
-  - name: lab
-    action: allow
-    match: {hosts: [api.allowed.test, echo.allowed.test], ports: [443, 80]}
-"""
-REPO = Path(__file__).resolve().parents[2]
+POLICY = lab_policy()
 
 
 def _vault(gw) -> None:
-    gw.cli("vault", "init")
-    gw.cli("vault", "secret", "put", "acme", "openai", input=SECRET + "\n")
-    gw.cli("vault", "binding", "add", "--id", "b-echo", "--tenant", "acme", "--secret", "openai",
-           "--host", "echo.allowed.test", "--port", "443", "--header", "Authorization",
-           "--format", "Bearer {secret}", "--placeholder")
+    put_placeholder_secret(gw, SECRET)
 
 
 @pytest.fixture(scope="module")
 def e2b(lab, tmp_path_factory):
-    settings = {"dns": {"listen_host": HUB_IP, "port": 53},
-                "runtime": {"enabled": True, "api_port": API_PORT, "memory_mb": 4096, "cpus": 2.0,
-                            "max_sandboxes": 16, "host_reserve_mb": 256, "default_memory_mb": 128},
+    settings = {**runtime_settings(API_PORT, memory_mb=4096, cpus=2.0, max_sandboxes=16, host_reserve_mb=256,
+                                   default_memory_mb=128),
                 "e2b": {"enabled": True, "port": E2B_PORT, "tenant": "acme", "domain": "e2b.cubegate.test",
                         "templates": {"code-interpreter-v1": {"kind": "code-interpreter", "memory_mb": 256}}}}
-    with switch_lab(lab, tmp_path_factory.mktemp("e2b"), POLICY, sandbox=None, tport=TPORT, prefix="ce",
-                    settings_extra=settings, before_start=_vault) as (gw, sw, _):
-        ca = gw.dir / "sandbox-ca.pem"
-        ca.write_text(Path(lab.ca.bundle_path).read_text() + gw.ca_cert.read_text())
-        gw.sandbox_ca = ca
+    with runtime_daemon(lab, tmp_path_factory.mktemp("e2b"), POLICY, tport=TPORT, prefix="ce",
+                        settings=settings, before_start=_vault) as (gw, _):
         yield gw
 
 
 def drive(lab, gw, scenario: str, *args: str, timeout: float = 240) -> dict:
-    key = (gw.state_dir / "runtime" / "api.token").read_text().strip()
+    key = runtime_token(gw)
     env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
     env.update(E2B_API_URL=f"http://127.0.0.1:{E2B_PORT}", E2B_SANDBOX_URL=f"http://127.0.0.1:{E2B_PORT}",
                E2B_API_KEY=key, E2B_DOMAIN="e2b.cubegate.test", PYTHONPATH=str(REPO))
@@ -145,7 +127,7 @@ def test_sandbox_is_killed_at_its_end_time(e2b, lab):
 
 
 def test_envd_routing_by_host_and_access_token(e2b, lab):
-    key = (e2b.state_dir / "runtime" / "api.token").read_text().strip()
+    key = runtime_token(e2b)
 
     def calls():
         base = f"http://127.0.0.1:{E2B_PORT}"

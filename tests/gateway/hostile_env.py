@@ -9,6 +9,7 @@ import base64
 import re
 import socket
 import ssl
+import uuid
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -239,6 +240,20 @@ def assert_never_leaked(data: bytes, *secrets: str, what: str = "") -> None:
 
 
 # ------------------------------------------------------------------------- clients
+def new_marker(prefix: str) -> str:
+    """A unique path marker: it picks one test's requests out of the upstream's log."""
+    return prefix + uuid.uuid4().hex[:10]
+
+
+def injected_request(upstream, marker: str, key: str) -> dict:
+    """The one upstream request for ``marker``, after checking the gateway injected ``key`` into it."""
+    got = upstream.requests(marker)
+    assert len(got) == 1, f"upstream got {len(got)} requests for {marker}"
+    auth = [v for k, v in got[0]["headers"] if k.lower() == "authorization"]
+    assert auth == [f"Bearer {key}"], "the key was not injected: the test would prove nothing"
+    return got[0]
+
+
 class Refused(Exception):
     def __init__(self, head: bytes):
         super().__init__(head[:200])

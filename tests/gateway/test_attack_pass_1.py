@@ -18,14 +18,14 @@ import socket
 import ssl
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 
 import pytest
 
 from testbed.hostile_attack import ATTACK_HOSTS, ensure_attack_upstream, mixed_case_hex
 from tests.gateway import rawclient
-from tests.gateway.hostile_env import TIMEOUT, Sandbox, assert_never_leaked, found_forms
+from tests.gateway.hostile_env import (TIMEOUT, Sandbox, assert_never_leaked, found_forms, injected_request,
+                                       new_marker)
 from tests.gateway.switchlab import switch_lab
 from tests.gateway.test_exhaustion import RssWatch
 
@@ -105,15 +105,11 @@ def env(lab, tmp_path_factory):
 
 
 def _marker() -> str:
-    return "a" + uuid.uuid4().hex[:10]
+    return new_marker("a")
 
 
 def _injected(env, marker: str) -> dict:
-    got = env.up.requests(marker)
-    assert len(got) == 1, f"upstream got {len(got)} requests for {marker}"
-    auth = [v for k, v in got[0]["headers"] if k.lower() == "authorization"]
-    assert auth == [f"Bearer {KEY_E}"], "the key was not injected: the test would prove nothing"
-    return got[0]
+    return injected_request(env.up, marker, KEY_E)
 
 
 def _wait_events(env, event: str, marker: str, timeout: float = 4.0) -> list[dict]:

@@ -81,3 +81,27 @@ def test_parsers_the_fast_path_borrows_still_answer_the_same():
 def test_original_destination_reader_exists():
     from mitmproxy import platform
     assert platform.original_addr is not None and callable(platform.original_addr)
+
+
+def test_unbounded_head_patch_targets_mitmproxys_head_readers():
+    mitm_internals.install_head_limit(48 * 1024)
+    assert mitm_internals.head_limit_installed() == 48 * 1024
+    mitm_internals.install_head_limit(48 * 1024)          # idempotent: wraps the original once
+    assert mitm_internals.head_limit_installed() == 48 * 1024
+    for cls in (_http1.Http1Server, _http1.Http1Client):
+        src = inspect.getsource(cls.read_headers._cubegate_original)
+        assert "self.buf.maybe_extract_lines()" in src, cls
+
+
+def test_websocket_control_frames_are_sent_through_send2():
+    mitm_internals.install_websocket_control_scrub()
+    assert mitm_internals.websocket_control_scrub_installed()
+    src = inspect.getsource(websocket.WebsocketLayer.relay_messages)
+    assert "dst_ws.send2(ws_event)" in src and "wsproto.events.Ping" in src
+
+
+def test_our_websocket_predicate_is_mitmproxys():
+    from mitmproxy.proxy.layers import http as layers_http
+    src = inspect.getsource(layers_http.HttpStream.send_response)
+    for piece in ('status_code == 101', '"upgrade", "").lower() == "websocket"', '"Sec-WebSocket-Version"'):
+        assert piece in src, piece

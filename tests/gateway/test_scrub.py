@@ -9,13 +9,12 @@ from __future__ import annotations
 import base64
 import threading
 import time
-import uuid
 
 import pytest
 
 from tests.gateway import rawclient
 from tests.gateway.hostile_env import (H, KEY_A, KEY_B, MODES, SECOND, SINK, assert_never_leaked, audit_reason,
-                                       decoded_views, found_forms, hostile_env)
+                                       decoded_views, found_forms, hostile_env, injected_request, new_marker)
 
 pytestmark = pytest.mark.netns
 
@@ -32,15 +31,11 @@ def env(lab, tmp_path_factory):
 
 
 def _marker() -> str:
-    return "m" + uuid.uuid4().hex[:10]
+    return new_marker("m")
 
 
 def _injected(env, marker: str) -> dict:
-    got = env.hostile.requests(marker)
-    assert len(got) == 1, f"upstream got {len(got)} requests for {marker}"
-    auth = [v for k, v in got[0]["headers"] if k.lower() == "authorization"]
-    assert auth == [f"Bearer {KEY_A}"], "the key was not injected: the test would prove nothing"
-    return got[0]
+    return injected_request(env.hostile, marker, KEY_A)
 
 
 def _fetch(env, mode: str, proto: str, path: str, headers=None):

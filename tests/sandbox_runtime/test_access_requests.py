@@ -11,13 +11,12 @@ import base64
 import json
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from testbed.netns import call_in_netns
-from tests.gateway.switchlab import HUB_IP, switch_lab
+from tests.sandbox_runtime.daemonlab import runtime_daemon, runtime_settings
 
 pytestmark = pytest.mark.netns
 
@@ -51,17 +50,13 @@ def env(lab, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("access")
     hook_file = tmp / "webhook.jsonl"
     receiver = lab.spawn_net([sys.executable, "-c", RECEIVER, str(hook_file), str(HOOK_PORT)])
-    settings = {"dns": {"listen_host": HUB_IP, "port": 53},
-                "runtime": {"enabled": True, "api_port": API_PORT, "memory_mb": 1024, "cpus": 1.0,
-                            "max_sandboxes": 4, "host_reserve_mb": 256},
+    settings = {**runtime_settings(API_PORT, memory_mb=1024, cpus=1.0, max_sandboxes=4, host_reserve_mb=256),
                 "policy_api": {"port": POLICY_PORT},
                 "access": {"webhook_url": f"http://198.18.0.2:{HOOK_PORT}/hook", "grant_sweep_seconds": 0.5,
                            "requests_per_minute": 3}}
     try:
-        with switch_lab(lab, tmp, POLICY, sandbox=None, tport=TPORT, prefix="ca", settings_extra=settings) \
-                as (gw, sw, _):
-            ca = Path(lab.ca.bundle_path).read_text() + gw.ca_cert.read_text()
-            gw.hook_file, gw.ca_b64 = hook_file, base64.b64encode(ca.encode()).decode()
+        with runtime_daemon(lab, tmp, POLICY, tport=TPORT, prefix="ca", settings=settings) as (gw, _):
+            gw.hook_file, gw.ca_b64 = hook_file, base64.b64encode(gw.sandbox_ca.read_bytes()).decode()
             yield gw
     finally:
         receiver.kill()

@@ -16,7 +16,10 @@ import httpx
 import pytest
 
 from testbed.netns import call_in_netns
-from tests.gateway.switchlab import HUB_IP, switch_lab
+from tests.gateway.switchlab import HUB_IP
+from tests.sandbox_runtime.daemonlab import (lab_policy, put_placeholder_secret, runtime_api, runtime_daemon,
+                                             runtime_settings)
+from tests.sandbox_runtime.daemonlab import sandbox_cli as cli
 
 pytestmark = pytest.mark.netns
 
@@ -25,17 +28,7 @@ API_PORT = 18073
 SECRET = "sk-live-runtime-5d4c3b2a1f0e9d8c"
 LABEL_SECRET = "lbl:Secret+9f8e7d6c5b4a3210zz"       # not a valid label value: used to come back in a 500
 HEX_SECRET = "5f1e2d3c4b5a69788796a5b4c3d2e1f0"      # a valid sandbox id
-POLICY = """\
-name: acme-agents
-tenant: acme
-applies_to: {labels: {tenant: acme}}
-default: deny
-rules:
-  - name: lab
-    action: allow
-    match: {hosts: [api.allowed.test, echo.allowed.test], ports: [443, 80]}
-"""
-REPO = Path(__file__).resolve().parents[2]
+POLICY = lab_policy()
 
 
 CANARY = "cubegate-daemon-env-canary-7c1e"
@@ -45,48 +38,25 @@ def _vault(gw) -> None:
     # A value only the daemon's environment holds (like CUBEGATE_VAULT_KEY would): sandboxes
     # must not be able to read it anywhere (their processes' /proc/*/environ included).
     os.environ["CUBEGATE_TEST_CANARY"] = CANARY
-    gw.cli("vault", "init")
-    gw.cli("vault", "secret", "put", "acme", "openai", input=SECRET + "\n")
+    put_placeholder_secret(gw, SECRET)
     gw.cli("vault", "secret", "put", "acme", "labelkey", input=LABEL_SECRET + "\n")
     gw.cli("vault", "secret", "put", "acme", "hexkey", input=HEX_SECRET + "\n")
-    gw.cli("vault", "binding", "add", "--id", "b-echo", "--tenant", "acme", "--secret", "openai",
-           "--host", "echo.allowed.test", "--port", "443", "--header", "Authorization",
-           "--format", "Bearer {secret}", "--placeholder")
 
 
 @pytest.fixture(scope="module")
 def rt(lab, tmp_path_factory):
-    settings = {"dns": {"listen_host": HUB_IP, "port": 53},
-                "runtime": {"enabled": True, "api_port": API_PORT, "memory_mb": 1024, "cpus": 1.0,
-                            "backends": ["namespace", "microvm"],
-                            "max_sandboxes": 8, "host_reserve_mb": 256}}
-    with switch_lab(lab, tmp_path_factory.mktemp("rt"), POLICY, sandbox=None, tport=TPORT, prefix="cr",
-                    settings_extra=settings, before_start=_vault) as (gw, sw, _):
-        ca = gw.dir / "sandbox-ca.pem"
-        ca.write_text(Path(lab.ca.bundle_path).read_text() + gw.ca_cert.read_text())
-        gw.sandbox_ca = ca
+    settings = runtime_settings(API_PORT, memory_mb=1024, cpus=1.0, backends=["namespace", "microvm"],
+                                max_sandboxes=8, host_reserve_mb=256)
+    with runtime_daemon(lab, tmp_path_factory.mktemp("rt"), POLICY, tport=TPORT, prefix="cr",
+                        settings=settings, before_start=_vault) as (gw, sw):
         try:
             yield gw, sw
         finally:
             os.environ.pop("CUBEGATE_TEST_CANARY", None)
 
 
-def cli(lab, gw, *args: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
-    r = lab.run_gw([str(REPO / ".venv/bin/cubegate"), "-c", str(gw.settings_path), "sandbox", *args],
-                   lab_dns=False, cwd=REPO, input=input, timeout=120)
-    if check and r.returncode != 0:
-        raise AssertionError(f"cubegate sandbox {' '.join(args)} → {r.returncode}: {r.stderr}\n{gw.log()[-3000:]}")
-    return r
-
-
 def api(lab, gw, method: str, path: str, token: str | None = "file", **kw) -> httpx.Response:
-    if token == "file":
-        token = (gw.state_dir / "runtime" / "api.token").read_text().strip()
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-
-    def call():
-        return httpx.request(method, f"http://127.0.0.1:{API_PORT}/v1{path}", headers=headers, timeout=60, **kw)
-    return call_in_netns(lab.gw_ns, call)
+    return runtime_api(lab, gw, API_PORT, method, path, token, **kw)
 
 
 def create(lab, gw, sid: str, *extra: str) -> dict:

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -21,27 +20,18 @@ import pytest
 
 from sandbox_runtime.idle import Activity
 from sandbox_runtime.templates import rootfs
-from testbed.netns import call_in_netns
+from tests.sandbox_runtime.daemonlab import (lab_policy, put_placeholder_secret, runtime_api, runtime_daemon,
+                                             runtime_settings)
+from tests.sandbox_runtime.daemonlab import sandbox_cli as cli
 
 pytestmark = pytest.mark.netns
 
 CACHE = Path(os.environ.get("CUBEGATE_TEMPLATE_CACHE", "/var/cache/cubegate/templates"))
 TPORT, API_PORT = 18068, 18069      # below the harness's port range; unlike the other daemon tests
-HUB_IP = "10.200.0.1"
 SECRET = "sk-live-snapshot-1a2b3c4d5e6f7a8b"
 POOL_SIZE = 2
 IDLE_S = 1.0
-POLICY = """\
-name: snap-agents
-tenant: acme
-applies_to: {labels: {tenant: acme}}
-default: deny
-rules:
-  - name: lab
-    action: allow
-    match: {hosts: [api.allowed.test, echo.allowed.test], ports: [443, 80]}
-"""
-REPO = Path(__file__).resolve().parents[2]
+POLICY = lab_policy("snap-agents")
 
 
 # ------------------------------------------------------------------ pure parts
@@ -87,43 +77,25 @@ def test_replace_tokens_in_a_layer_keeps_lengths_and_skips_non_files(tmp_path):
 # ------------------------------------------------------------------ the daemon
 
 def _vault(gw) -> None:
-    gw.cli("vault", "init")
-    gw.cli("vault", "secret", "put", "acme", "openai", input=SECRET + "\n")
-    gw.cli("vault", "binding", "add", "--id", "b-echo", "--tenant", "acme", "--secret", "openai",
-           "--host", "echo.allowed.test", "--port", "443", "--header", "Authorization",
-           "--format", "Bearer {secret}", "--placeholder")
+    put_placeholder_secret(gw, SECRET)
 
 
 @pytest.fixture(scope="module")
 def rt(lab, tmp_path_factory):
     from sandbox_runtime.templates import TemplateStore
-    from tests.gateway.switchlab import switch_lab
     if os.geteuid() != 0 or not shutil.which("mmdebstrap"):
         pytest.skip("needs root and mmdebstrap (apt)")
     TemplateStore(CACHE).build("base")          # cached on this machine: returns at once
-    settings = {"dns": {"listen_host": HUB_IP, "port": 53},
-                "runtime": {"enabled": True, "api_port": API_PORT, "memory_mb": 2048, "cpus": 2.0,
-                            "max_sandboxes": 8, "host_reserve_mb": 256, "template_cache": str(CACHE),
-                            "default_template": "base", "pool_size": POOL_SIZE,
-                            "auto_pause_seconds": IDLE_S, "paused_capacity": "memory"}}
-    with switch_lab(lab, tmp_path_factory.mktemp("snap"), POLICY, sandbox=None, tport=TPORT, prefix="cq",
-                    settings_extra=settings, before_start=_vault) as (gw, sw, _):
+    settings = runtime_settings(API_PORT, memory_mb=2048, cpus=2.0, max_sandboxes=8, host_reserve_mb=256,
+                                template_cache=str(CACHE), default_template="base", pool_size=POOL_SIZE,
+                                auto_pause_seconds=IDLE_S, paused_capacity="memory")
+    with runtime_daemon(lab, tmp_path_factory.mktemp("snap"), POLICY, tport=TPORT, prefix="cq",
+                        settings=settings, before_start=_vault) as (gw, sw):
         yield gw, sw
 
 
-def cli(lab, gw, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    r = lab.run_gw([str(REPO / ".venv/bin/cubegate"), "-c", str(gw.settings_path), "sandbox", *args],
-                   lab_dns=False, cwd=REPO, timeout=120)
-    if check and r.returncode != 0:
-        raise AssertionError(f"cubegate sandbox {' '.join(args)} → {r.returncode}: {r.stderr}\n{gw.log()[-3000:]}")
-    return r
-
-
 def api(lab, gw, method: str, path: str, **kw) -> httpx.Response:
-    token = (gw.state_dir / "runtime" / "api.token").read_text().strip()
-    return call_in_netns(lab.gw_ns, lambda: httpx.request(method, f"http://127.0.0.1:{API_PORT}/v1{path}",
-                                                          headers={"Authorization": f"Bearer {token}"},
-                                                          timeout=60, **kw))
+    return runtime_api(lab, gw, API_PORT, method, path, **kw)
 
 
 def sh(lab, gw, sid: str, script: str) -> str:

@@ -125,6 +125,39 @@ def test_a_value_that_contains_an_escape_is_found_in_every_round():
     assert n.find(b"\\u0070ass%41word-123") == {"odd"}        # JSON-escaped, '%41' left alone
 
 
+# An escape starter (or a partial or escaped one) next to a spelled value: decoding every
+# family at once parses it differently from a receiver that undoes one family at a time.
+DESYNC = [
+    # '%' before hex whose last char is \u-escaped: the JSON receiver reads '%' + the hex
+    (b"0" * 29, b"%303030303030303030303030303030303030303030303030303030303\\u0030"),
+    (b"0" * 8, b"\\u303030303030303&#48;"),                      # '\u' eats hex; HTML receiver
+    (b"0" * 14, b"\\u0000000000000&#48;"),
+    (b"0" * 8, b"\\u303030303030303&#38;#48;"),                  # HTML twice
+    (b"0" * 15, b"\\\\u30303030303030303030303030303%5Cu0030"),  # percent, then JSON
+    (b"abc3defghij", b"abc&#5\\u0031;defghij"),                  # JSON completes '&#51;'
+    (b"abc3defghij", b"abc&#5%31;defghij"),                      # so does percent
+    (b"abc3defghij", b"abc&#x3\\u0033;defghij"),
+    (b"abc3defghij", b"abc&#38;#5\\u0031;defghij"),             # an escaped &, then as above
+    (b"lt;secret-value1", b"&lt;secret-value\\u0031"),           # '&' makes an entity of it
+    (b"x41secret-value1", b"\\x41secret-value%31"),              # '\' makes a \x escape of it
+    (b"25secret-value1", b"%25secret-value&#49;"),
+    (b"3Asecret-value1", b"%253Asecret-value&#49;"),             # '%25' then '%3A'
+    (b"u0041secretvalue", b"\\\\\\u0041secretvalu&#101;"),       # backslash parity
+]
+
+
+@pytest.mark.parametrize("value, data", DESYNC)
+def test_escape_starters_next_to_a_value_do_not_hide_it(value, data):
+    needles = Needles([("v", value_forms(value))])
+    assert needles.find(data) == {"v"}
+    assert needles.find(b"." * 300 + data + b"." * 300) == {"v"}
+    for size in (1, 7, 4096):
+        with pytest.raises(LeakFound):
+            _stream(StreamLeakScanner(needles), b"." * 5000 + data, [size] * (5000 // size + 40))
+    with pytest.raises(Unscrubbable):
+        _stream(StreamScrubber(value_forms(value)), data, [3] * 40)
+
+
 def test_long_values_are_matched_by_their_first_bytes():
     value = bytes(random.Random(1).choice(b"abcdefghij0123456789") for _ in range(4000))
     n = Needles([("pem", value_forms(value))])
