@@ -9,6 +9,8 @@ header values. Sandbox ids are bounded by the identity store.
 """
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
@@ -71,11 +73,14 @@ class WithWorkers:
     def collect(self) -> list:
         from prometheus_client import multiprocess
         from prometheus_client.metrics_core import Metric
-        workers = CollectorRegistry()
-        multiprocess.MultiProcessCollector(workers, path=self.multiproc_dir)
+        sources = [self.registry]
+        if os.path.isdir(self.multiproc_dir):   # not before the first worker starts
+            workers = CollectorRegistry()
+            multiprocess.MultiProcessCollector(workers, path=self.multiproc_dir)
+            sources.append(workers)
         families: dict[str, Metric] = {}
         values: dict[str, dict[tuple, list]] = {}
-        for reg in (self.registry, workers):
+        for reg in sources:
             for fam in reg.collect():
                 if fam.name not in families:
                     families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)

@@ -100,6 +100,7 @@ class FastPath:
         while self.conns and time.monotonic() < grace:
             await asyncio.sleep(0.05)
         stats["fast_left"] = len(self.conns)
+        log.info("fast path drain done: %s", stats)
         return stats
 
     # --------------------------------------------------------------- helpers
