@@ -32,6 +32,7 @@ a value sent in pieces across separate bodies.
 from __future__ import annotations
 
 import re
+from bisect import bisect_left, bisect_right
 from itertools import product
 from typing import Iterable
 
@@ -41,13 +42,16 @@ from .forms import (ESCAPE_ROUNDS, FAMILIES, MAX_ESCAPE_LEN, MIN_FORM_LEN, REDAC
                     decode_round, decode_round_marked, starters)
 
 MAX_NEEDLE_LEN = 256      # longer forms are matched by their first 256 bytes (bounds the window)
-_BATCH = 4096             # a stream is scanned in steps of at least this much (or at its end)
+B64_LEAD = 8              # base64 characters held before a possible occurrence (see _Prefixes.lead)
+_MAX_SPANS = 128          # escapes a stream round remembers exactly (older ones: the expansion bound)
 _GAP = 256                # windows closer than this are scanned as one (fewer calls, few more bytes)
 _SLICE = 256 * 1024       # work on at most this much at once: bounds the match lists
 
 
 _HEX_DIGITS = re.compile(rb"[0-9a-fA-F]+")
 _HEX_LETTER = re.compile(rb"[a-fA-F]")
+_B64_ALPHABET = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/-_")
+_HEAD = 4                 # prefixes this long are looked up in a set before a full comparison
 
 class LeakFound(Exception):
     """A secret's value or placeholder occurs in the data; names ids only, never values."""
@@ -92,6 +96,7 @@ class Needles:
         self._folded_automaton = _ac.BytesAhoCorasick(self._folded) if self._folded else None
         self.max_len = max(map(len, self._needles), default=0)
         self.empty = not self._needles
+        self.prefixes = _Prefixes(self._needles, self._folded)
 
     def find_raw(self, data: bytes) -> set[str]:
         """Secret ids whose needles occur in `data` as it is."""
@@ -150,43 +155,140 @@ def _decodings(form: bytes) -> set[bytes]:
     return set(out.values())
 
 
-def _raw_hold(max_len: int) -> int:
-    """Raw bytes to hold back so no byte of a not-yet-seen occurrence is released.
+class _Prefixes:
+    """Which suffix of a stream may begin an occurrence of a needle not yet complete.
 
-    An occurrence not yet seen in round r's output starts in its last max_len
-    bytes; each round holds back <= MAX_ESCAPE_LEN undecoded bytes, and D
-    decoded bytes come from <= ROUND_EXPANSION * D + MAX_ESCAPE_LEN input bytes.
-    Every view has at most ESCAPE_ROUNDS rounds, whatever families they decode.
+    `folded`: needles also matched on the lower-cased data (hex in any case).
+    """
+
+    def __init__(self, needles: Iterable[bytes], folded: Iterable[bytes] = ()):
+        self._sorted = sorted(needles)
+        self._folded = sorted(folded)
+        self._heads = {n[:k] for n in self._sorted for k in range(1, _HEAD + 1)}
+        self._folded_heads = {n[:k] for n in self._folded for k in range(1, _HEAD + 1)}
+
+    def first(self, data: bytes, start: int) -> int:
+        """The first i >= start with data[i:] a prefix of a needle (len(data) if none):
+        where the longest suffix from `start` on that a needle may still complete begins."""
+        heads, folded_heads = self._heads, self._folded_heads
+        for i in range(start, len(data)):
+            head = data[i:i + _HEAD]
+            if head in heads and _is_prefix(data[i:], self._sorted):
+                return i
+            if folded_heads and head.lower() in folded_heads and _is_prefix(data[i:].lower(), self._folded):
+                return i
+        return len(data)
+
+    @staticmethod
+    def lead(data: bytes, i: int) -> int:
+        """Base64 characters right before data[i] (at most B64_LEAD; B64_LEAD if they reach the
+        start of `data`, which may be cut from a longer stream). An aligned base64 form starts
+        up to 3 characters into the encoded string, and the quanta before it encode what
+        preceded the value (a 'user:' in Basic auth): the string's start is held with it."""
+        j = i
+        while j > 0 and i - j < B64_LEAD and data[j - 1] in _B64_ALPHABET:
+            j -= 1
+        return B64_LEAD if j == 0 and i - j < B64_LEAD else i - j
+
+
+def _is_prefix(piece: bytes, needles: list[bytes]) -> bool:
+    """Whether `piece` is a prefix of one of the sorted `needles`."""
+    i = bisect_left(needles, piece)
+    return i < len(needles) and needles[i].startswith(piece)
+
+
+def _raw_hold(max_len: int) -> int:
+    """Raw bytes held back at most, so no byte of a not-yet-seen occurrence is released.
+
+    An occurrence not yet complete in a view's output starts in its last max_len - 1
+    bytes, with up to B64_LEAD bytes before it; each round holds back < MAX_ESCAPE_LEN
+    undecoded bytes, and D decoded bytes come from <= ROUND_EXPANSION * D +
+    MAX_ESCAPE_LEN input bytes. Every view has at most ESCAPE_ROUNDS rounds.
+    The hold actually needed is usually far smaller: see StreamLeakScanner.
     """
     if max_len == 0:
         return 0
-    depth = max_len
+    depth = max_len + B64_LEAD
     for _ in range(ESCAPE_ROUNDS):
         depth = ROUND_EXPANSION * depth + 2 * MAX_ESCAPE_LEN
     return depth
 
 
 class _Round:
-    """One escape round of some families as a stream: decodes what later bytes cannot change."""
+    """One escape round of some families as a stream: decodes what later bytes cannot change.
 
-    def __init__(self, families: bytes) -> None:
+    For a stream's hold it also maps its output offsets back to input offsets: exactly
+    over its last _MAX_SPANS escapes that changed something, before them by the
+    expansion bound (never past the true offset: what is released stays safe).
+    """
+
+    def __init__(self, families: bytes, track: bool) -> None:
         self.families = families
-        self._starters = starters(families)
         self.held = b""
+        self.consumed = 0             # input bytes decoded so far (`held` starts there)
+        self.emitted = 0              # output bytes so far
+        self._max_spans = _MAX_SPANS if track else 0
+        self._spans: list[tuple[int, int, int, int]] = []   # (out_start, out_end, in_start, in_end)
+        self._base = (0, 0)           # exact (out, in) with only literals from it up to _spans[0]
+        self._out_need = 0            # nothing before these offsets can still be needed
+        self._in_need = 0
 
-    def feed(self, data: bytes, final: bool, max_marks: int) -> tuple[bytes, tuple | None]:
-        """(decoded bytes, their changed spans or None for "maybe all"), as decode_round_marked."""
+    def decode(self, data: bytes, final: bool, max_marks: int):
+        """This round's output for `data` (see forms.RoundOutput); `advance` applies it."""
         window = self.held + data if self.held else data
-        stop = len(window)
-        tail = window[-MAX_ESCAPE_LEN:]
-        if not final and any(first in tail for first in self._starters):
-            stop -= MAX_ESCAPE_LEN        # an escape may start there: wait for its end
-        if stop <= 0:
-            self.held = window
-            return b"", ()
-        out, used, marks = decode_round_marked(window, stop, self.families, max_marks)
+        return decode_round_marked(window, len(window) if final else None, self.families,
+                                   max_marks, self._max_spans), window
+
+    def advance(self, result) -> None:
+        (out, used, _, spans, exact_from), window = result
+        in_at, out_at = self.consumed, self.emitted
+        if exact_from != (0, 0):
+            self._spans.clear()
+            self._base = (out_at + exact_from[0], in_at + exact_from[1])
+        if spans:
+            self._spans += [(out_at + a, out_at + b, in_at + c, in_at + d) for a, b, c, d in spans]
+            if len(self._spans) > self._max_spans:
+                self._drop(len(self._spans) - self._max_spans)
         self.held = window[used:]
-        return out, marks
+        self.consumed += used
+        self.emitted += len(out)
+
+    def input_need(self, out_need: int) -> int:
+        """Given that output bytes from `out_need` on may still be needed, the input offset from
+        which input bytes may be (monotone: what was safe stays safe)."""
+        if out_need <= self._out_need:
+            return self._in_need
+        self._out_need = out_need
+        spans = self._spans
+        if spans and spans[0][1] <= out_need:
+            self._drop(bisect_right(spans, out_need, key=_span_end))
+        self._in_need = max(self._in_need, self._to_input(out_need))
+        return self._in_need
+
+    def _drop(self, count: int) -> None:
+        self._base = self._spans[count - 1][1], self._spans[count - 1][3]
+        del self._spans[:count]
+
+    def _to_input(self, out: int) -> int:
+        if out >= self.emitted:
+            return self.consumed
+        spans = self._spans
+        i = bisect_right(spans, out, key=_span_start) - 1
+        if i >= 0:
+            out_start, out_end, in_start, in_end = spans[i]
+            return in_start if out < out_end else in_end + out - out_end
+        base_out, base_in = self._base
+        if out >= base_out:
+            return base_in + out - base_out
+        return max(base_in - ROUND_EXPANSION * (base_out - out) - MAX_ESCAPE_LEN, 0)
+
+
+def _span_start(span: tuple) -> int:
+    return span[0]
+
+
+def _span_end(span: tuple) -> int:
+    return span[1]
 
 
 class _Matcher:
@@ -202,6 +304,7 @@ class _Matcher:
         self._keep = max(needles.max_len - 1, 0)
         self.tail = b""
         self.tail_marks: tuple = ()      # changed spans inside `tail`
+        self._partial = 0                # offset in the view where its longest needle prefix starts
 
     def scan(self, data: bytes, marks: tuple | None) -> set[str]:
         tail, keep, find = self.tail, self._keep, self._needles.find_raw
@@ -227,6 +330,16 @@ class _Matcher:
         self.tail_marks = tuple((max(s, cut) - cut, e - cut) for s, e in spans if e > cut) if keep else ()
         return found
 
+    def pending(self, size: int) -> int:
+        """Offset in the view (whose output is `size` bytes so far) from which its bytes may
+        belong to an occurrence not yet complete: the longest suffix that is a proper prefix
+        of a needle, with the base64 characters right before it (_Prefixes.lead)."""
+        tail = self.tail
+        at = size - len(tail)                 # view offset of tail[0]
+        i = self._needles.prefixes.first(tail, max(self._partial - at, 0))
+        self._partial = at + i                # monotone: a longer suffix cannot become a prefix again
+        return max(at + i - _Prefixes.lead(tail, i), 0)
+
     def _window(self, data: bytes, lo: int, hi: int) -> bytes:
         base = len(self.tail)
         if lo >= base:
@@ -237,19 +350,22 @@ class _Matcher:
 class _Views:
     """Every view of one stream (the raw bytes and each path in VIEWS), decoded as it
     arrives, with the needles found in each. Views that got the same input in the
-    same state are decoded and scanned once (e.g. a percent round over data without '%')."""
+    same state are decoded and scanned once (e.g. a percent round over data without '%').
+    `track`: also keep what `hold_start` needs (a stream's; not a whole buffer's)."""
 
-    def __init__(self, needles: Needles):
+    def __init__(self, needles: Needles, track: bool = False):
         self._needles = needles
         index = {(): 0}
         for i, path in enumerate(VIEWS, 1):
             index[path] = i
         self._parents = [index[path[:-1]] for path in VIEWS]
-        self._rounds = [_Round(path[-1]) for path in VIEWS]
+        self._rounds = [_Round(path[-1], track) for path in VIEWS]
         self._matchers = [_Matcher(needles) for _ in range(len(VIEWS) + 1)]
+        self.size = 0                   # raw bytes stepped so far
 
     def step(self, data: bytes, final: bool) -> set[str]:
         max_marks = max(len(data) // (4 * max(self._needles.max_len, 1)), 16)
+        self.size += len(data)
         outs = [data]
         found = self._matchers[0].scan(data, None)
         rounds_done: dict[tuple, tuple] = {}
@@ -259,9 +375,9 @@ class _Views:
             key = (rnd.families, rnd.held, id(source))      # `outs` keeps `source` alive
             done = rounds_done.get(key)
             if done is None:
-                out, marks = rnd.feed(source, final, max_marks)
-                done = rounds_done[key] = (out, marks, rnd.held)
-            out, marks, rnd.held = done
+                done = rounds_done[key] = rnd.decode(source, final, max_marks)
+            rnd.advance(done)
+            out, marks = done[0].decoded, done[0].marks
             outs.append(out)
             key = (id(out), marks, matcher.tail, matcher.tail_marks)
             done = scans_done.get(key)
@@ -272,48 +388,68 @@ class _Views:
             found |= hits
         return found
 
+    def hold_start(self) -> int:
+        """Raw offset before which no byte can belong to an occurrence not yet complete in
+        any view: per view its pending suffix (_Matcher.pending) and its round's undecoded
+        rest, mapped back round by round to the raw stream; the earliest of them."""
+        need = [self.size] + [rnd.emitted for rnd in self._rounds]     # per view, in its output
+        for i in range(len(VIEWS), 0, -1):                               # children before parents
+            rnd = self._rounds[i - 1]
+            if rnd.held or rnd.consumed != rnd.emitted:
+                in_need = rnd.input_need(min(need[i], self._matchers[i].pending(rnd.emitted)))
+            else:       # it changed nothing so far (escapes shrink): its parent's view, held by it
+                in_need = need[i]
+            parent = self._parents[i - 1]
+            if in_need < need[parent]:
+                need[parent] = in_need
+        return min(need[0], self._matchers[0].pending(self.size))
+
 
 class StreamLeakScanner:
     """Leak check over a stream: feed() returns what is safe to forward now.
 
-    Small feeds are gathered into steps of _BATCH bytes (the views cost per
-    step, not per byte); unscanned bytes are never returned. Raises LeakFound
-    in the step where a needle occurs, raw or in any view (see `VIEWS`), before
-    any byte of that occurrence was returned. After a LeakFound every further
-    call raises it again. Memory: the held tail (`hold` bytes), a few hundred bytes per view,
-    the chunk being fed and, while a step runs, every view of that step (at most
+    Every feed is scanned at once, raw and in every view (see `VIEWS`); it raises
+    LeakFound in the feed where a needle occurs, before any byte of that occurrence
+    was returned. It returns every byte that cannot belong to an occurrence not yet
+    complete: it holds back only, per view, the longest suffix that is a proper
+    prefix of a needle (with the base64 characters right before it) and an escape
+    cut short at the end, mapped back to the raw bytes they came from. For text,
+    JSON or event streams that is nothing at most event ends and a few bytes
+    otherwise; at worst (escapes nested three deep) it is `hold` bytes. After a
+    LeakFound every further call raises it again. Memory: the held tail (<= `hold`
+    bytes), a few hundred bytes and up to _MAX_SPANS escape positions per view, the
+    chunk being fed and, while a step runs, every view of that step (at most
     len(VIEWS) + 1 times 256 KiB).
     """
 
     def __init__(self, needles: Needles):
         self._needles = needles
-        self.hold = _raw_hold(needles.max_len) + _BATCH
-        self._raw_hold = _raw_hold(needles.max_len)
-        self._unscanned = bytearray()
+        self.hold = _raw_hold(needles.max_len)
         self._pending = bytearray()
-        self._views = _Views(needles) if not needles.empty else None
+        self._released = 0
+        self._views = _Views(needles, track=True) if not needles.empty else None
         self._leak: LeakFound | None = None
+
+    @property
+    def held(self) -> int:
+        """Bytes fed but not yet returned."""
+        return len(self._pending)
 
     def feed(self, chunk: bytes) -> bytes:
         if self._views is None:
             return bytes(chunk)
         if self._leak is not None:
             raise self._leak
-        self._unscanned += chunk
-        if len(self._unscanned) < _BATCH:
-            return b""
-        data, self._unscanned = bytes(self._unscanned), bytearray()
+        chunk = bytes(chunk)
         out = []
-        for start in range(0, len(data), _SLICE):
-            out.append(self._step(data[start:start + _SLICE], final=False))
+        for start in range(0, len(chunk), _SLICE):
+            out.append(self._step(chunk[start:start + _SLICE], final=False))
         return b"".join(out)
 
     def finish(self) -> bytes:
         if self._views is None:
             return b""
-        data, self._unscanned = bytes(self._unscanned), bytearray()
-        out = self._step(data, final=False) if data else b""
-        return out + self._step(b"", final=True)
+        return self._step(b"", final=True)
 
     def _step(self, data: bytes, final: bool) -> bytes:
         if self._leak is not None:
@@ -324,11 +460,12 @@ class StreamLeakScanner:
             self._pending.clear()
             self._leak = LeakFound(found)
             raise self._leak
-        release = len(self._pending) if final else len(self._pending) - self._raw_hold
+        release = len(self._pending) if final else self._views.hold_start() - self._released
         if release <= 0:
             return b""
         out = bytes(self._pending[:release])
         del self._pending[:release]
+        self._released += release
         return out
 
 
@@ -336,10 +473,12 @@ class StreamScrubber:
     """Replace the injected secret's forms in a stream; refuse what cannot be replaced.
 
     Leftmost-longest replacement (no fragment of a longer form survives a
-    shorter one), held back across chunk boundaries, so the output over any
-    chunking equals feeding everything at once. The replaced stream then goes
-    through a StreamLeakScanner on the same forms: a spelling that survived
-    (e.g. every character as \\u00XX) raises Unscrubbable.
+    shorter one); only a suffix that may still grow into a form is held back
+    across chunk boundaries, so the output over any chunking equals feeding
+    everything at once. The replaced stream then goes through a
+    StreamLeakScanner on the same forms: a spelling that survived (e.g. every
+    character as \\u00XX) raises Unscrubbable. What it holds back is that
+    scanner's hold plus that suffix.
     """
 
     def __init__(self, forms: frozenset[bytes], replacement: bytes = REDACTED):
@@ -348,6 +487,7 @@ class StreamScrubber:
         self._automaton = (_ac.BytesAhoCorasick(self._forms, matchkind=_ac.MatchKind.LeftmostLongest)
                            if self._forms else None)
         self._keep = max(map(len, self._forms), default=1) - 1
+        self._prefixes = _Prefixes(self._forms)
         self._held = b""
         self._check = StreamLeakScanner(Needles([("injected", frozenset(self._forms))]))
 
@@ -363,7 +503,7 @@ class StreamScrubber:
 
     def _step(self, data: bytes, final: bool) -> bytes:
         window = self._held + data
-        stop = len(window) if final else len(window) - self._keep
+        stop = len(window) if final else self._prefixes.first(window, max(len(window) - self._keep, 0))
         replaced, used = self._replace(window, stop) if stop > 0 else (b"", 0)
         self._held = window[used:]
         try:
