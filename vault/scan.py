@@ -51,6 +51,7 @@ _SLICE = 256 * 1024       # work on at most this much at once: bounds the match 
 _HEX_DIGITS = re.compile(rb"[0-9a-fA-F]+")
 _HEX_LETTER = re.compile(rb"[a-fA-F]")
 _B64_ALPHABET = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/-_")
+_STARTERS = starters(FAMILIES)
 _HEAD = 4                 # prefixes this long are looked up in a set before a full comparison
 
 class LeakFound(Exception):
@@ -165,7 +166,9 @@ class _Prefixes:
         self._sorted = sorted(needles)
         self._folded = sorted(folded)
         self._heads = {n[:k] for n in self._sorted for k in range(1, _HEAD + 1)}
-        self._folded_heads = {n[:k] for n in self._folded for k in range(1, _HEAD + 1)}
+        # the folded needles' heads in every case, so no position needs lower-casing
+        self._folded_heads = {spelling for n in self._folded for k in range(1, _HEAD + 1)
+                              for spelling in _in_any_case(n[:k])}
 
     def first(self, data: bytes, start: int) -> int:
         """The first i >= start with data[i:] a prefix of a needle (len(data) if none):
@@ -175,7 +178,7 @@ class _Prefixes:
             head = data[i:i + _HEAD]
             if head in heads and _is_prefix(data[i:], self._sorted):
                 return i
-            if folded_heads and head.lower() in folded_heads and _is_prefix(data[i:].lower(), self._folded):
+            if head in folded_heads and _is_prefix(data[i:].lower(), self._folded):
                 return i
         return len(data)
 
@@ -189,6 +192,10 @@ class _Prefixes:
         while j > 0 and i - j < B64_LEAD and data[j - 1] in _B64_ALPHABET:
             j -= 1
         return B64_LEAD if j == 0 and i - j < B64_LEAD else i - j
+
+
+def _in_any_case(text: bytes) -> set[bytes]:
+    return {bytes(letters) for letters in product(*({c, ord(chr(c).upper())} for c in text))}
 
 
 def _is_prefix(piece: bytes, needles: list[bytes]) -> bool:
@@ -330,14 +337,19 @@ class _Matcher:
         self.tail_marks = tuple((max(s, cut) - cut, e - cut) for s, e in spans if e > cut) if keep else ()
         return found
 
-    def pending(self, size: int) -> int:
+    def pending(self, size: int, seen: dict) -> int:
         """Offset in the view (whose output is `size` bytes so far) from which its bytes may
         belong to an occurrence not yet complete: the longest suffix that is a proper prefix
-        of a needle, with the base64 characters right before it (_Prefixes.lead)."""
+        of a needle, with the base64 characters right before it (_Prefixes.lead).
+        `seen`: answers for tails other views share, during one hold computation."""
         tail = self.tail
         at = size - len(tail)                 # view offset of tail[0]
-        i = self._needles.prefixes.first(tail, max(self._partial - at, 0))
-        self._partial = at + i                # monotone: a longer suffix cannot become a prefix again
+        start = max(self._partial - at, 0)    # monotone: a longer suffix cannot become a prefix again
+        key = (id(tail), start)
+        i = seen.get(key)
+        if i is None:
+            i = seen[key] = self._needles.prefixes.first(tail, start)
+        self._partial = at + i
         return max(at + i - _Prefixes.lead(tail, i), 0)
 
     def _window(self, data: bytes, lo: int, hi: int) -> bytes:
@@ -362,10 +374,13 @@ class _Views:
         self._rounds = [_Round(path[-1], track) for path in VIEWS]
         self._matchers = [_Matcher(needles) for _ in range(len(VIEWS) + 1)]
         self.size = 0                   # raw bytes stepped so far
+        self._quiet = True              # no round holds undecoded bytes
 
     def step(self, data: bytes, final: bool) -> set[str]:
-        max_marks = max(len(data) // (4 * max(self._needles.max_len, 1)), 16)
         self.size += len(data)
+        if self._quiet and not any(first in data for first in _STARTERS):
+            return self._step_copied(data)
+        max_marks = max(len(data) // (4 * max(self._needles.max_len, 1)), 16)
         outs = [data]
         found = self._matchers[0].scan(data, None)
         rounds_done: dict[tuple, tuple] = {}
@@ -386,6 +401,26 @@ class _Views:
                 done = scans_done[key] = (hits, matcher.tail, matcher.tail_marks)
             hits, matcher.tail, matcher.tail_marks = done
             found |= hits
+        self._quiet = not any(rnd.held for rnd in self._rounds)
+        return found
+
+    def _step_copied(self, data: bytes) -> set[str]:
+        """step() for data without an escape starter while no round holds anything: every
+        round copies it through, so every view gets `data` itself, with no changed span."""
+        n = len(data)
+        for rnd in self._rounds:
+            rnd.consumed += n
+            rnd.emitted += n
+        found = self._matchers[0].scan(data, None)
+        scans_done: dict[tuple, tuple] = {}
+        for matcher in self._matchers[1:]:
+            key = (matcher.tail, matcher.tail_marks)
+            done = scans_done.get(key)
+            if done is None:
+                hits = matcher.scan(data, ())
+                done = scans_done[key] = (hits, matcher.tail, matcher.tail_marks)
+            hits, matcher.tail, matcher.tail_marks = done
+            found |= hits
         return found
 
     def hold_start(self) -> int:
@@ -393,16 +428,17 @@ class _Views:
         any view: per view its pending suffix (_Matcher.pending) and its round's undecoded
         rest, mapped back round by round to the raw stream; the earliest of them."""
         need = [self.size] + [rnd.emitted for rnd in self._rounds]     # per view, in its output
+        seen: dict[tuple, int] = {}
         for i in range(len(VIEWS), 0, -1):                               # children before parents
             rnd = self._rounds[i - 1]
             if rnd.held or rnd.consumed != rnd.emitted:
-                in_need = rnd.input_need(min(need[i], self._matchers[i].pending(rnd.emitted)))
+                in_need = rnd.input_need(min(need[i], self._matchers[i].pending(rnd.emitted, seen)))
             else:       # it changed nothing so far (escapes shrink): its parent's view, held by it
                 in_need = need[i]
             parent = self._parents[i - 1]
             if in_need < need[parent]:
                 need[parent] = in_need
-        return min(need[0], self._matchers[0].pending(self.size))
+        return min(need[0], self._matchers[0].pending(self.size, seen))
 
 
 class StreamLeakScanner:
