@@ -176,9 +176,8 @@ class RoundOutput(NamedTuple):
     decoded: bytes
     consumed: int               # input bytes `decoded` stands for
     marks: tuple | None         # (start, end) output spans of the decoded escapes; None: more than max_marks
-    spans: tuple                # the last <= max_spans escapes that changed something:
-                                # (out_start, out_end, in_start, in_end)
-    exact_from: tuple           # (out, in): from there on, `spans` lists every escape that changed something
+    spans: tuple                # where escapes changed something, as (out_start, out_end, in_start, in_end):
+                                # the last max_spans - 1 one by one, the earlier ones merged into one span
 
 
 def decode_round_marked(data: bytes, stop: int | None, families: bytes = FAMILIES,
@@ -194,7 +193,7 @@ def decode_round_marked(data: bytes, stop: int | None, families: bytes = FAMILIE
         stop = n if not any(first in data[-MAX_ESCAPE_LEN:] for first in starters(families)) \
             else _open_start(data, pieces, families)
     if len(pieces) == 1:
-        return RoundOutput(data[:stop], stop, (), (), (0, 0))
+        return RoundOutput(data[:stop], stop, (), ())
     end = _cut(pieces, n, stop) if stop < n else n
     escapes = pieces[1::2]
     decoded = list(map(_FIXED.get, escapes))
@@ -206,30 +205,35 @@ def decode_round_marked(data: bytes, stop: int | None, families: bytes = FAMILIE
     if len(decoded) <= max_marks:
         ends = list(accumulate(map(len, pieces)))
         marks = tuple((ends[i - 1], ends[i]) for i in range(1, len(pieces), 2))
-    spans, exact_from = _last_spans(pieces, escapes, len(out), end, max_spans) if max_spans else ((), (0, 0))
-    return RoundOutput(out, end, marks, spans, exact_from)
+    spans = _changed_spans(pieces, escapes, len(out), end, max_spans) if max_spans else ()
+    return RoundOutput(out, end, marks, spans)
 
 
-def _last_spans(pieces: list[bytes], escapes: list[bytes], out_end: int, in_end: int,
-                max_spans: int) -> tuple[tuple, tuple]:
-    """The last `max_spans` escapes of decoded `pieces` that changed something, walking back
-    from the end, and the (out, in) point from which they are all of them."""
+def _changed_spans(pieces: list[bytes], escapes: list[bytes], out_end: int, in_end: int,
+                   max_spans: int) -> tuple:
+    """RoundOutput.spans of decoded `pieces`, walking back from the end."""
     spans = []
+    merged = None                      # (out_end, in_end) of the latest escape not listed one by one
+    first = None                       # (out_start, in_start) of the earliest changed escape
     out_pos, in_pos = out_end, in_end
     for i in range(len(pieces) - 1, 0, -1):
         piece = pieces[i]
         if i % 2:
             escape = escapes[i >> 1]
             if piece != escape:
-                if len(spans) == max_spans:
-                    return tuple(reversed(spans)), (out_pos, in_pos)
-                spans.append((out_pos - len(piece), out_pos, in_pos - len(escape), in_pos))
+                if len(spans) < max_spans - 1:
+                    spans.append((out_pos - len(piece), out_pos, in_pos - len(escape), in_pos))
+                elif merged is None:
+                    merged = out_pos, in_pos
+                first = out_pos - len(piece), in_pos - len(escape)
             out_pos -= len(piece)
             in_pos -= len(escape)
         else:
             out_pos -= len(piece)
             in_pos -= len(piece)
-    return tuple(reversed(spans)), (0, 0)
+    if merged is not None:
+        spans.append((first[0], merged[0], first[1], merged[1]))
+    return tuple(reversed(spans))
 
 
 def decode_round(data: bytes, stop: int | None = None,

@@ -43,7 +43,7 @@ from .forms import (ESCAPE_ROUNDS, FAMILIES, MAX_ESCAPE_LEN, MIN_FORM_LEN, REDAC
 
 MAX_NEEDLE_LEN = 256      # longer forms are matched by their first 256 bytes (bounds the window)
 B64_LEAD = 8              # base64 characters held before a possible occurrence (see _Prefixes.lead)
-_MAX_SPANS = 128          # escapes a stream round remembers exactly (older ones: the expansion bound)
+_MAX_SPANS = 64           # escapes a stream round maps exactly (older ones: merged into one span)
 _GAP = 256                # windows closer than this are scanned as one (fewer calls, few more bytes)
 _SLICE = 256 * 1024       # work on at most this much at once: bounds the match lists
 
@@ -225,8 +225,9 @@ class _Round:
     """One escape round of some families as a stream: decodes what later bytes cannot change.
 
     For a stream's hold it also maps its output offsets back to input offsets: exactly
-    over its last _MAX_SPANS escapes that changed something, before them by the
-    expansion bound (never past the true offset: what is released stays safe).
+    over its last _MAX_SPANS escapes that changed something, over older ones merged
+    into one span, and before that by the expansion bound; never past the true
+    offset, so what is released stays safe.
     """
 
     def __init__(self, families: bytes, track: bool) -> None:
@@ -247,15 +248,14 @@ class _Round:
                                    max_marks, self._max_spans), window
 
     def advance(self, result) -> None:
-        (out, used, _, spans, exact_from), window = result
-        in_at, out_at = self.consumed, self.emitted
-        if exact_from != (0, 0):
-            self._spans.clear()
-            self._base = (out_at + exact_from[0], in_at + exact_from[1])
+        (out, used, _, spans), window = result
         if spans:
+            in_at, out_at = self.consumed, self.emitted
             self._spans += [(out_at + a, out_at + b, in_at + c, in_at + d) for a, b, c, d in spans]
-            if len(self._spans) > self._max_spans:
-                self._drop(len(self._spans) - self._max_spans)
+            extra = len(self._spans) - self._max_spans
+            if extra > 0:             # merge the oldest: bounded memory, coarser far back
+                first, last = self._spans[0], self._spans[extra]
+                self._spans[:extra + 1] = [(first[0], last[1], first[2], last[3])]
         self.held = window[used:]
         self.consumed += used
         self.emitted += len(out)
@@ -268,13 +268,11 @@ class _Round:
         self._out_need = out_need
         spans = self._spans
         if spans and spans[0][1] <= out_need:
-            self._drop(bisect_right(spans, out_need, key=_span_end))
+            count = bisect_right(spans, out_need, key=_span_end)
+            self._base = spans[count - 1][1], spans[count - 1][3]
+            del spans[:count]
         self._in_need = max(self._in_need, self._to_input(out_need))
         return self._in_need
-
-    def _drop(self, count: int) -> None:
-        self._base = self._spans[count - 1][1], self._spans[count - 1][3]
-        del self._spans[:count]
 
     def _to_input(self, out: int) -> int:
         if out >= self.emitted:
@@ -283,7 +281,11 @@ class _Round:
         i = bisect_right(spans, out, key=_span_start) - 1
         if i >= 0:
             out_start, out_end, in_start, in_end = spans[i]
-            return in_start if out < out_end else in_end + out - out_end
+            if out >= out_end:
+                return in_end + out - out_end
+            # inside: a single escape starts at in_start; a merged span, no earlier than that
+            # and than its end less what out_end - out output bytes can have come from
+            return max(in_start, in_end - ROUND_EXPANSION * (out_end - out) - MAX_ESCAPE_LEN)
         base_out, base_in = self._base
         if out >= base_out:
             return base_in + out - base_out
@@ -526,6 +528,11 @@ class StreamScrubber:
         self._prefixes = _Prefixes(self._forms)
         self._held = b""
         self._check = StreamLeakScanner(Needles([("injected", frozenset(self._forms))]))
+
+    @property
+    def held(self) -> int:
+        """Bytes fed but not yet returned (replaced or not)."""
+        return len(self._held) + self._check.held
 
     def feed(self, chunk: bytes) -> bytes:
         out = []
