@@ -177,7 +177,7 @@ class RoundOutput(NamedTuple):
     consumed: int               # input bytes `decoded` stands for
     marks: tuple | None         # (start, end) output spans of the decoded escapes; None: more than max_marks
     spans: tuple                # where escapes changed something, as (out_start, out_end, in_start, in_end):
-                                # the last max_spans - 1 one by one, the earlier ones merged into one span
+                                # the last max_spans - 1 one by one, all before them as one span
 
 
 def decode_round_marked(data: bytes, stop: int | None, families: bytes = FAMILIES,
@@ -211,28 +211,25 @@ def decode_round_marked(data: bytes, stop: int | None, families: bytes = FAMILIE
 
 def _changed_spans(pieces: list[bytes], escapes: list[bytes], out_end: int, in_end: int,
                    max_spans: int) -> tuple:
-    """RoundOutput.spans of decoded `pieces`, walking back from the end."""
+    """RoundOutput.spans of decoded `pieces`, walking back from the end: work for at most
+    max_spans changed escapes (the earlier ones are one span from the first escape on)."""
     spans = []
-    merged = None                      # (out_end, in_end) of the latest escape not listed one by one
-    first = None                       # (out_start, in_start) of the earliest changed escape
     out_pos, in_pos = out_end, in_end
     for i in range(len(pieces) - 1, 0, -1):
         piece = pieces[i]
         if i % 2:
             escape = escapes[i >> 1]
             if piece != escape:
-                if len(spans) < max_spans - 1:
-                    spans.append((out_pos - len(piece), out_pos, in_pos - len(escape), in_pos))
-                elif merged is None:
-                    merged = out_pos, in_pos
-                first = out_pos - len(piece), in_pos - len(escape)
+                if len(spans) == max_spans - 1:
+                    first = len(pieces[0])                 # only a literal before the first escape
+                    spans.append((first, out_pos, first, in_pos))
+                    break
+                spans.append((out_pos - len(piece), out_pos, in_pos - len(escape), in_pos))
             out_pos -= len(piece)
             in_pos -= len(escape)
         else:
             out_pos -= len(piece)
             in_pos -= len(piece)
-    if merged is not None:
-        spans.append((first[0], merged[0], first[1], merged[1]))
     return tuple(reversed(spans))
 
 

@@ -169,18 +169,29 @@ class _Prefixes:
         # the folded needles' heads in every case, so no position needs lower-casing
         self._folded_heads = {spelling for n in self._folded for k in range(1, _HEAD + 1)
                               for spelling in _in_any_case(n[:k])}
+        # where a head starts, found in one pass (short needles: the whole needle is its head)
+        whole_heads = sorted({h for h in self._heads | self._folded_heads if len(h) == _HEAD}
+                             | {n for n in self._sorted if len(n) < _HEAD})
+        self._head_automaton = _ac.BytesAhoCorasick(whole_heads) if whole_heads else None
 
     def first(self, data: bytes, start: int) -> int:
         """The first i >= start with data[i:] a prefix of a needle (len(data) if none):
         where the longest suffix from `start` on that a needle may still complete begins."""
+        n = len(data)
+        if self._head_automaton is not None and n - start > _HEAD:
+            found = {start + s for _, s, _ in self._head_automaton.find_matches_as_indexes(
+                memoryview(data)[start:], overlapping=True)}
+            candidates = sorted(found.union(range(n - _HEAD + 1, n)))   # (the last: too short for a whole head)
+        else:
+            candidates = range(start, n)
         heads, folded_heads = self._heads, self._folded_heads
-        for i in range(start, len(data)):
+        for i in candidates:
             head = data[i:i + _HEAD]
             if head in heads and _is_prefix(data[i:], self._sorted):
                 return i
             if head in folded_heads and _is_prefix(data[i:].lower(), self._folded):
                 return i
-        return len(data)
+        return n
 
     @staticmethod
     def lead(data: bytes, i: int) -> int:
@@ -232,6 +243,7 @@ class _Round:
 
     def __init__(self, families: bytes, track: bool) -> None:
         self.families = families
+        self._starters = starters(families)
         self.held = b""
         self.consumed = 0             # input bytes decoded so far (`held` starts there)
         self.emitted = 0              # output bytes so far
@@ -240,6 +252,15 @@ class _Round:
         self._base = (0, 0)           # exact (out, in) with only literals from it up to _spans[0]
         self._out_need = 0            # nothing before these offsets can still be needed
         self._in_need = 0
+
+    def copies(self, data: bytes) -> bool:
+        """Whether `data` passes through unchanged (nothing held, no escape starter in it);
+        if so it has been accounted for."""
+        if self.held or any(first in data for first in self._starters):
+            return False
+        self.consumed += len(data)
+        self.emitted += len(data)
+        return True
 
     def decode(self, data: bytes, final: bool, max_marks: int):
         """This round's output for `data` (see forms.RoundOutput); `advance` applies it."""
@@ -389,12 +410,15 @@ class _Views:
         scans_done: dict[tuple, tuple] = {}
         for parent, rnd, matcher in zip(self._parents, self._rounds, self._matchers[1:]):
             source = outs[parent]
-            key = (rnd.families, rnd.held, id(source))      # `outs` keeps `source` alive
-            done = rounds_done.get(key)
-            if done is None:
-                done = rounds_done[key] = rnd.decode(source, final, max_marks)
-            rnd.advance(done)
-            out, marks = done[0].decoded, done[0].marks
+            if rnd.copies(source):
+                out, marks = source, ()
+            else:
+                key = (rnd.families, rnd.held, id(source))      # `outs` keeps `source` alive
+                done = rounds_done.get(key)
+                if done is None:
+                    done = rounds_done[key] = rnd.decode(source, final, max_marks)
+                rnd.advance(done)
+                out, marks = done[0].decoded, done[0].marks
             outs.append(out)
             key = (id(out), marks, matcher.tail, matcher.tail_marks)
             done = scans_done.get(key)
