@@ -17,7 +17,11 @@ layers one family at a time (URL-decoding, JSON/JS string decoding, HTML
 unescaping, in any order and repeats) reads exactly one of the views.
 
 A stream is decoded exactly as the whole buffer would be (each escape round
-runs as its own small stream stage), so chunk boundaries change nothing.
+runs as its own small stream stage), so chunk boundaries change nothing. It
+holds back only what may still become part of an occurrence: in each view the
+longest suffix that is a proper prefix of a needle (with the base64
+characters right before it), and each round's escape cut short at the end,
+mapped back round by round to the raw bytes they came from.
 What none of this can catch: data the sandbox (or a colluding upstream)
 encrypts or re-encodes itself — base32, UTF-16, hex with separators, its own
 compression inside a body (HTTP Content-Encoding is decoded before, by the
@@ -53,6 +57,7 @@ _HEX_LETTER = re.compile(rb"[a-fA-F]")
 _B64_ALPHABET = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/-_")
 _STARTERS = starters(FAMILIES)
 _HEAD = 4                 # prefixes this long are looked up in a set before a full comparison
+
 
 class LeakFound(Exception):
     """A secret's value or placeholder occurs in the data; names ids only, never values."""
@@ -206,6 +211,7 @@ class _Prefixes:
 
 
 def _in_any_case(text: bytes) -> set[bytes]:
+    """Every upper/lower-case spelling of ASCII `text`."""
     return {bytes(letters) for letters in product(*({c, ord(chr(c).upper())} for c in text))}
 
 
@@ -220,15 +226,16 @@ def _raw_hold(max_len: int) -> int:
 
     An occurrence not yet complete in a view's output starts in its last max_len - 1
     bytes, with up to B64_LEAD bytes before it; each round holds back < MAX_ESCAPE_LEN
-    undecoded bytes, and D decoded bytes come from <= ROUND_EXPANSION * D +
-    MAX_ESCAPE_LEN input bytes. Every view has at most ESCAPE_ROUNDS rounds.
-    The hold actually needed is usually far smaller: see StreamLeakScanner.
+    undecoded bytes and the escape right before (<= MAX_ESCAPE_LEN), and D decoded
+    bytes come from <= ROUND_EXPANSION * D + MAX_ESCAPE_LEN input bytes. Every view
+    has at most ESCAPE_ROUNDS rounds. The hold actually needed is usually far
+    smaller: see StreamLeakScanner.
     """
     if max_len == 0:
         return 0
     depth = max_len + B64_LEAD
     for _ in range(ESCAPE_ROUNDS):
-        depth = ROUND_EXPANSION * depth + 2 * MAX_ESCAPE_LEN
+        depth = ROUND_EXPANSION * depth + 3 * MAX_ESCAPE_LEN
     return depth
 
 
@@ -238,7 +245,7 @@ class _Round:
     For a stream's hold it also maps its output offsets back to input offsets: exactly
     over its last _MAX_SPANS escapes that changed something, over older ones merged
     into one span, and before that by the expansion bound; never past the true
-    offset, so what is released stays safe.
+    offset (nor past the escape right before it), so what is released stays safe.
     """
 
     def __init__(self, families: bytes, track: bool) -> None:
@@ -288,21 +295,29 @@ class _Round:
             return self._in_need
         self._out_need = out_need
         spans = self._spans
-        if spans and spans[0][1] <= out_need:
-            count = bisect_right(spans, out_need, key=_span_end)
+        if spans and spans[0][1] < out_need:          # (one ending at out_need is still needed)
+            count = bisect_left(spans, out_need, key=_span_end)
             self._base = spans[count - 1][1], spans[count - 1][3]
             del spans[:count]
         self._in_need = max(self._in_need, self._to_input(out_need))
         return self._in_need
 
     def _to_input(self, out: int) -> int:
-        if out >= self.emitted:
-            return self.consumed
+        """Where the input that output offset `out` (and what follows) came from begins,
+        the escape right before `out` included: an escape starter put next to a spelled
+        value pairs with its first escaped byte ('\\' + '&#92;'), so that escape holds
+        bytes of the spelling."""
+        out = min(out, self.emitted)
         spans = self._spans
+        k = bisect_left(spans, out, key=_span_end)
+        if k < len(spans) and spans[k][1] == out:    # an escape (or a merged span's last) ends here
+            return max(spans[k][2], spans[k][3] - MAX_ESCAPE_LEN)
+        if out == self.emitted:
+            return self.consumed
         i = bisect_right(spans, out, key=_span_start) - 1
         if i >= 0:
             out_start, out_end, in_start, in_end = spans[i]
-            if out >= out_end:
+            if out > out_end:
                 return in_end + out - out_end
             # inside: a single escape starts at in_start; a merged span, no earlier than that
             # and than its end less what out_end - out output bytes can have come from
