@@ -21,7 +21,8 @@ runs as its own small stream stage), so chunk boundaries change nothing. It
 holds back only what may still become part of an occurrence: in each view the
 longest suffix that is a proper prefix of a needle (with the base64
 characters right before it), and each round's escape cut short at the end,
-mapped back round by round to the raw bytes they came from.
+mapped back round by round to the raw bytes they came from (with the escape
+right before, in each round).
 What none of this can catch: data the sandbox (or a colluding upstream)
 encrypts or re-encodes itself — base32, UTF-16, hex with separators, its own
 compression inside a body (HTTP Content-Encoding is decoded before, by the
@@ -490,7 +491,8 @@ class StreamLeakScanner:
     was returned. It returns every byte that cannot belong to an occurrence not yet
     complete: it holds back only, per view, the longest suffix that is a proper
     prefix of a needle (with the base64 characters right before it) and an escape
-    cut short at the end, mapped back to the raw bytes they came from. For text,
+    cut short at the end, mapped back to the raw bytes they came from (with the
+    escape right before, in each round). For text,
     JSON or event streams that is nothing at most event ends and a few bytes
     otherwise; at worst (escapes nested three deep) it is `hold` bytes. After a
     LeakFound every further call raises it again. Memory: the held tail (<= `hold`
