@@ -10,12 +10,11 @@ own network options. Expiry is enforced by the daemon removing the grant
 """
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .errors import ErrorItem, PolicyError
-from .hosts import HostPattern, InvalidHost, IPAddress, parse_host_pattern
+from .hosts import HostPattern, InvalidHost, IPAddress, parse_cidr, parse_host_pattern
 from .model import IPNetwork
 
 
@@ -92,7 +91,7 @@ def parse_grant(name: str, doc: object) -> Grant:
     cidrs: list = []
     for i, c in enumerate(doc.get("cidrs") or []):
         try:
-            cidrs.append(ipaddress.ip_network(c, strict=True))
+            cidrs.append(parse_cidr(c))
         except (TypeError, ValueError) as e:
             err(f"cidrs[{i}]", f"not a valid CIDR: {e}")
     if not hosts and not cidrs:

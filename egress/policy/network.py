@@ -9,11 +9,10 @@ can allow what the admin policies deny (see EffectivePolicy.decide).
 """
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 
 from .errors import ErrorItem, PolicyError
-from .hosts import HostPattern, InvalidHost, IPAddress, parse_host_pattern
+from .hosts import HostPattern, InvalidHost, IPAddress, parse_cidr, parse_host_pattern
 from .model import IPNetwork
 
 MAX_ENTRIES = 256
@@ -93,9 +92,9 @@ def parse_entry(text: object) -> NetEntry:
     raw = text.strip()
     head, port = _split_port(raw)
     try:
-        net = ipaddress.ip_network(head, strict=True)
+        net = parse_cidr(head)     # the spelling requests are compared in (mapped IPv6 → IPv4)
     except ValueError as e:
-        if "/" in head or head.replace(".", "").isdigit():
+        if "/" in head or "%" in head or ":" in head or head.replace(".", "").isdigit():
             raise ValueError(f"not a valid address or CIDR: {e}") from None
         net = None
     if net is not None:
