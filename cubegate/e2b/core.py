@@ -223,13 +223,19 @@ class E2bCore:
 
     def _destroy(self, sandbox_id: str) -> None:
         self.processes.drop_sandbox(sandbox_id)
+        try:
+            self.manager.destroy(sandbox_id)      # its hooks call forget_sandbox
+        except NotFound:
+            pass
+        self.forget_sandbox(sandbox_id)
+
+    def forget_sandbox(self, sandbox_id: str) -> None:
+        """The sandbox is gone, however it went (this API, cubegate's own, a failure): its E2B
+        record (envd token), processes, kernel and samples go at once — a reused id inherits none."""
+        self.processes.drop_sandbox(sandbox_id)
         with self._lock:
             self._kernels.pop(sandbox_id, None)
             self._cpu_samples.pop(sandbox_id, None)
-        try:
-            self.manager.destroy(sandbox_id)
-        except NotFound:
-            pass
         self.registry.delete(sandbox_id)
 
     def set_timeout(self, tenant: str, sandbox_id: str, timeout) -> None:
