@@ -2,8 +2,11 @@
 
 20 random 40-byte secrets with all their value forms; bodies: random
 printable bytes and JSON text (escaped slashes, quotes, \\u escapes). Streams
-are fed in 64 KiB chunks, as the gateway receives them. Each figure is the best
-of three runs.
+are fed in 64 KiB chunks, as the gateway receives them. Then an LLM token
+stream (OpenAI-style text/event-stream events of ~190 bytes) fed event by
+event, as the gateway receives it: cost per event and the most bytes held back
+after an event (0: every event released as it arrived). Each figure is the
+best of three runs.
 
     .venv/bin/python bench/bench_scan.py [--mib 16]
 """
@@ -50,6 +53,26 @@ def _stream(obj, data: bytes) -> None:
     obj.finish()
 
 
+def _sse_events(count: int, rnd: random.Random) -> list[bytes]:
+    words = ["Hello", " world", "!", " The", " answer", " is", ' "42"', " caf\u00e9", " 100%", " a&b", " path/to", "\n"]
+    return [("data: " + json.dumps({"id": "chatcmpl-9x", "object": "chat.completion.chunk", "created": 1700000000,
+                                    "model": "gpt-4o", "choices": [{"index": 0, "delta": {"content": rnd.choice(words)},
+                                                                     "finish_reason": None}]}) + "\n\n").encode()
+            for _ in range(count)]
+
+
+def _events(make, events: list[bytes]) -> int:
+    """Feed one event at a time; the most bytes held back after an event (fed, not yet returned:
+    the events hold no secret, so nothing is replaced)."""
+    obj, most, fed, released = make(), 0, 0, 0
+    for event in events:
+        fed += len(event)
+        released += len(obj.feed(event))
+        most = max(most, fed - released)
+    obj.finish()
+    return most
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=16)
@@ -74,6 +97,13 @@ def main() -> None:
         }
         for what, secs in figures.items():
             print(f"{name:17s} {what:38s} {secs:6.3f} s  {mib / secs:7.1f} MiB/s")
+    events = _sse_events(5000, rnd)
+    for what, make in (("StreamLeakScanner", lambda: StreamLeakScanner(needles)),
+                       ("StreamScrubber", lambda: StreamScrubber(entries[0][1]))):
+        held = _events(make, events)
+        secs = _timed(lambda: _events(make, events))
+        print(f"{'SSE, by event':17s} {what:38s} {secs / len(events) * 1e6:6.0f} us/event, "
+              f"at most {held} bytes held after an event")
 
 
 if __name__ == "__main__":

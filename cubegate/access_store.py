@@ -88,3 +88,9 @@ class AccessStore:
                 " note = ? WHERE id = ? AND state = 'pending'",
                 (state, time.time(), actor, scope, grant, expires, note, rid))
         return self.get(rid) if cur.rowcount else None
+
+    def forget_sandbox(self, sandbox: str) -> int:
+        """A destroyed sandbox's requests go with it (ids are reused: the next sandbox of that
+        name must not read them). Their approvals stay in the audit log and the grant history."""
+        with self._lock:
+            return self._db.execute("DELETE FROM requests WHERE sandbox = ?", (sandbox,)).rowcount

@@ -41,6 +41,9 @@ class RateLimit:
             self._buckets.pop(next(iter(self._buckets)))
         return ok
 
+    def forget(self, key: str) -> None:
+        self._buckets.pop(key, None)
+
 
 def _public(req: dict) -> dict:
     """What the sandbox sees of its own request (who decided stays with the admins)."""
@@ -55,6 +58,10 @@ class AgentEndpoint:
         self.denials, self.access, self.notify = denials, access, notify
         self.limit = RateLimit(requests_per_minute)
         self.max_pending, self.max_reason_chars = max_pending, max_reason_chars
+
+    def forget(self, sandbox_id: str) -> None:
+        """The sandbox is gone: its filing budget too (a reused id starts afresh)."""
+        self.limit.forget(sandbox_id)
 
     def answer(self, identity: Identity, method: str, path: str, body: bytes) -> tuple[int, dict]:
         path = path.split("?", 1)[0]

@@ -72,6 +72,11 @@ class NewNameLimiter:
             if not names:
                 del self._admitted[key]
 
+    def forget(self, sandbox: str) -> None:
+        """The sandbox is gone: its windows too (a reused id starts with none)."""
+        for key in [k for k in self._admitted if k[0] == sandbox]:
+            del self._admitted[key]
+
     @property
     def keys(self) -> int:
         return len(self._admitted)

@@ -71,8 +71,8 @@ class NetWatch:
                  max_events: int = MAX_EVENTS_PER_POLL, l4_for=None, l4_key=None, owns_switch: bool = True):
         self.switch = switch
         self.owns_switch = owns_switch  # False: the sandbox runtime's switch, closed by the runtime
-        self.l4_for = l4_for            # sandbox_id -> [(cidr, port, proto)] from the policy in force
-        self.l4_key = l4_key            # () -> policy digest, to resync only on change
+        self.l4_for = l4_for            # sandbox_id -> [(cidr, port, proto)] from the effective policy in force
+        self.l4_key = l4_key            # () -> what the decision depends on (digest, expired grants): resync on change
         self._l4_synced: tuple | None = None
         self.audit = audit
         self.poll_seconds = poll_seconds
@@ -104,7 +104,8 @@ class NetWatch:
         return events
 
     def _sync_l4(self) -> None:
-        """Push each sandbox's policy L4 rules into the switch when the policy or the sandbox set changed."""
+        """Push each sandbox's L4 entries (from the effective decision: policy, grants, network
+        options) into the switch when any of them or the sandbox set changed."""
         if self.l4_for is None:
             return
         with self._lock:
@@ -190,8 +191,14 @@ async def start_for(daemon) -> NetWatch | None:
         ident = daemon.identities.get(sandbox_id)
         return l4_allow_for(daemon.policies.current, sandbox_id, ident.labels if ident else {})
 
-    nw = NetWatch(switch, daemon.metrics.registry, daemon.audit, l4_for=l4_for,
-                  l4_key=lambda: daemon.policies.current.digest, owns_switch=runtime is None)
+    def l4_key():
+        # every change (policy, grant, network options) makes a new digest; a grant that
+        # reaches its expiry before the sweep removes it changes the decision too
+        current = daemon.policies.current
+        return current.digest, current.expired_grants()
+
+    nw = NetWatch(switch, daemon.metrics.registry, daemon.audit, l4_for=l4_for, l4_key=l4_key,
+                  owns_switch=runtime is None)
     nw.start()
     log.info("netwatch: switch %s backend, counters on /metrics, drop events to audit", switch.backend)
     return nw

@@ -22,6 +22,7 @@ in <state_dir>/policies.db and an `admin` audit record. Tokens: see admin_tokens
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import time
 
 import httpkit
@@ -29,6 +30,7 @@ from httpkit import ApiError, AuditHook, JsonHandler, PathParam, operation
 
 from cubegate import policy_api_models as m
 from egress.policy import PolicyError, RequestInfo
+from egress.policy.hosts import parse_ip
 from egress.policy.live import LivePolicies, NotFound, Refused
 
 MAX_BODY = 1024 * 1024
@@ -177,7 +179,10 @@ def grant_for(req: dict, scope: str, expires: float | None) -> dict:
         if "tenant" not in labels:
             raise ApiError(400, "invalid", "the sandbox has no tenant label; approve for the sandbox or its labels")
         applies = {"labels": {"tenant": labels["tenant"]}}
-    doc = {"applies_to": applies, "hosts": [req["host"]], "ports": [req["port"]], "request": req["id"]}
+    # an IP literal (normalised when filed) is granted as its own /32 or /128, never as a host name
+    addr = parse_ip(req["host"])
+    what = {"cidrs": [str(ipaddress.ip_network(addr))]} if addr is not None else {"hosts": [req["host"]]}
+    doc = {"applies_to": applies, **what, "ports": [req["port"]], "request": req["id"]}
     if expires is not None:
         doc["expires"] = expires
     return doc
@@ -187,7 +192,7 @@ class ApproveHandler(_Base):
     action = "access.approve"
 
     @operation("Approve: a grant for exactly this host and port (versioned, revocable)", body=m.Approve,
-               reply=m.AccessRequest, errors=(*_WRITE, 404))
+               reply=m.AccessRequest, errors=(*_WRITE, 400, 404, 409))
     def post(self, id: str, body: m.Approve) -> None:
         self.audit["request_id"] = id
         req = self.access.get(id)
@@ -195,11 +200,19 @@ class ApproveHandler(_Base):
             raise ApiError(404, "not_found", f"no pending access request {id!r}")
         expires = time.time() + body.expires_in_seconds if body.expires_in_seconds else None
         name = f"grant.{id}"
-        v = self.live.put_grant(name, grant_for(req, body.scope, expires), actor=self.actor.id,
-                                note=body.note)
+        try:
+            v = self.live.put_grant(name, grant_for(req, body.scope, expires), actor=self.actor.id,
+                                    note=body.note)
+        except PolicyError as e:     # nothing was stored: the request stays pending, the admin is told why
+            raise ApiError(400, "invalid", "this request cannot be granted: " + "; ".join(
+                f"{p['pointer'] or '/'}: {p['message']}" for p in e.pointers())) from None
         self.audit.update(kind="grant", name=name, version=v.version, scope=body.scope)
         done = self.access.decide(id, "approved", actor=self.actor.id, scope=body.scope, grant=name,
                                   expires=expires, note=body.note)
+        if done is None:     # decided (or removed with its sandbox) meanwhile: take the grant back, all or none
+            if name in self.live.grants():     # (a destroy already took it with the sandbox)
+                self.live.delete_grant(name, actor=self.actor.id)
+            raise ApiError(409, "conflict", f"access request {id!r} is no longer pending")
         self.reply(200, done)
 
 

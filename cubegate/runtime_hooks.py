@@ -12,12 +12,20 @@ from sandbox_runtime.manager import InvalidRequest, Unavailable
 class DaemonHooks:
     def __init__(self, daemon):
         self.d = daemon
+        self._gone_listeners: list = []
+
+    def on_forget(self, fn) -> None:
+        """fn(sandbox_id) when a sandbox is gone (destroyed, failed, or its create undone)."""
+        self._gone_listeners.append(fn)
 
     def register(self, sandbox_id: str, tenant: str, labels: dict[str, str]) -> None:
         policy = self.d.policies.current.policy_for(sandbox_id, labels)
         if policy is not None and policy.tenant is not None and policy.tenant != tenant:
             raise InvalidRequest(f"policy {policy.name!r} applies to this sandbox and belongs to tenant "
                                  f"{policy.tenant!r}, not {tenant!r}")
+        # Whatever a sandbox of this id left behind (grants, requests, ...) is stale by
+        # definition now that the id is new again: a reused id inherits nothing.
+        self._drop_state(sandbox_id)
         # The runtime owns the identity of the sandboxes it creates; the proxy token is
         # not needed in transparent mode and is discarded.
         try:
@@ -27,8 +35,23 @@ class DaemonHooks:
 
     def forget(self, sandbox_id: str) -> None:
         self.d.identities.remove(sandbox_id)
-        self.d.policies.remove_network(sandbox_id, actor="runtime")   # network options go with the sandbox
-        self.d.denials.forget(sandbox_id)
+        self._drop_state(sandbox_id)
+
+    def _drop_state(self, sandbox_id: str) -> None:
+        """Everything keyed by the sandbox id that must not outlive the sandbox: network
+        options, grants scoped to the id, its access requests, its recent denials, its
+        filing budget, its DNS new-name windows, and what other services keep (E2B)."""
+        d = self.d
+        d.policies.remove_network(sandbox_id, actor="runtime")
+        d.policies.drop_sandbox_grants(sandbox_id, actor="runtime")
+        d.access.forget_sandbox(sandbox_id)
+        d.denials.forget(sandbox_id)
+        d.agent_endpoint.forget(sandbox_id)
+        dns = getattr(d, "_dns", None)
+        if dns is not None:   # its state lives on the event loop
+            d._loop.call_soon_threadsafe(dns.limiter.forget, sandbox_id)
+        for fn in list(self._gone_listeners):
+            fn(sandbox_id)
 
     def set_network(self, sandbox_id: str, network: dict, actor: str) -> None:
         """Per-sandbox network options (narrow only); versioned in the policy store."""

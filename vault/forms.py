@@ -20,6 +20,7 @@ import html.entities
 import json
 import re
 from itertools import accumulate
+from typing import NamedTuple
 from urllib.parse import quote, quote_plus
 
 REDACTED = b"[REDACTED]"
@@ -128,25 +129,108 @@ def _cut(pieces: list[bytes], n: int, stop: int) -> int:
     return 0
 
 
-def decode_round_marked(data: bytes, stop: int, families: bytes = FAMILIES,
-                        max_marks: int = 0) -> tuple[bytes, int, tuple | None]:
-    """decode_round on at most a slice, with where it changed something: (decoded,
-    consumed, marks), marks the (start, end) output spans of the decoded escapes, or
-    None if there were more than `max_marks` (then: treat everything as changed)."""
+# An escape cut short by the end of the data, from its first byte to that end: more bytes
+# may still make it an escape, a longer one ('&#5' -> '&#51;'), or a pair ('\ud83d' -> '\ud83d\ude00').
+# None is longer than MAX_ESCAPE_LEN - 1 bytes.
+_OPEN = {
+    b"%": re.compile(rb"%[0-9A-Fa-f]?"),
+    b"\\": re.compile(rb"\\(?:u[0-9a-fA-F]{0,3}|u[dD][89abAB][0-9a-fA-F]{2}"
+                      rb"(?:\\(?:u(?:[dD](?:[c-fC-F][0-9a-fA-F]?)?)?)?)?|x[0-9a-fA-F]?)?"),
+    b"&": re.compile(rb"&(?:#(?:[0-9]{0,5}|[xX][0-9a-fA-F]{0,4})|[A-Za-z]{0,6})?"),
+}
+
+
+def _open_start(data: bytes, pieces: list[bytes], families: bytes) -> int:
+    """Where the first escape that more bytes could still change starts (len(data) if none).
+
+    Only the last MAX_ESCAPE_LEN bytes can hold one, at a byte where the parse tries an
+    escape: the start of a decoded one, or a starter byte in a literal piece (where the
+    leftmost parse tried and found none). Starters inside a decoded escape are not tried.
+    """
+    n = len(data)
+    lo = n - MAX_ESCAPE_LEN
+    firsts = starters(families)
+    tried = []
+    end = n
+    for i in range(len(pieces) - 1, -1, -1):
+        start = end - len(pieces[i])
+        if i % 2:
+            if start >= lo:
+                tried.append(start)
+        else:
+            for first in firsts:
+                q = data.find(first, max(start, lo), end)
+                while q >= 0:
+                    tried.append(q)
+                    q = data.find(first, q + 1, end)
+        if start <= lo:
+            break
+        end = start
+    for q in sorted(tried):
+        if _OPEN[data[q:q + 1]].fullmatch(data, q):
+            return q
+    return n
+
+
+class RoundOutput(NamedTuple):
+    decoded: bytes
+    consumed: int               # input bytes `decoded` stands for
+    marks: tuple | None         # (start, end) output spans of the decoded escapes; None: more than max_marks
+    spans: tuple                # where escapes changed something, as (out_start, out_end, in_start, in_end):
+                                # the last max_spans - 1 one by one, all before them as one span
+
+
+def decode_round_marked(data: bytes, stop: int | None, families: bytes = FAMILIES,
+                        max_marks: int = 0, max_spans: int = 0) -> RoundOutput:
+    """decode_round on at most a slice, with where it changed something (see RoundOutput).
+
+    stop=None: a stream's step, decode up to the first escape that more bytes could still
+    change (that escape and what follows are not consumed).
+    """
     pieces = _pieces(data, families)
+    n = len(data)
+    if stop is None:
+        stop = n if not any(first in data[-MAX_ESCAPE_LEN:] for first in starters(families)) \
+            else _open_start(data, pieces, families)
     if len(pieces) == 1:
-        return data[:stop], stop, ()
-    end = _cut(pieces, len(data), stop) if stop < len(data) else len(data)
+        return RoundOutput(data[:stop], stop, (), ())
+    end = _cut(pieces, n, stop) if stop < n else n
     escapes = pieces[1::2]
     decoded = list(map(_FIXED.get, escapes))
     if None in decoded:
         decoded = [d if d is not None else _decode(e) for d, e in zip(decoded, escapes)]
     pieces[1::2] = decoded
+    out = b"".join(pieces)
     marks = None
     if len(decoded) <= max_marks:
         ends = list(accumulate(map(len, pieces)))
         marks = tuple((ends[i - 1], ends[i]) for i in range(1, len(pieces), 2))
-    return b"".join(pieces), end, marks
+    spans = _changed_spans(pieces, escapes, len(out), end, max_spans) if max_spans else ()
+    return RoundOutput(out, end, marks, spans)
+
+
+def _changed_spans(pieces: list[bytes], escapes: list[bytes], out_end: int, in_end: int,
+                   max_spans: int) -> tuple:
+    """RoundOutput.spans of decoded `pieces`, walking back from the end: work for at most
+    max_spans changed escapes (the earlier ones are one span from the first escape on)."""
+    spans = []
+    out_pos, in_pos = out_end, in_end
+    for i in range(len(pieces) - 1, 0, -1):
+        piece = pieces[i]
+        if i % 2:
+            escape = escapes[i >> 1]
+            if piece != escape:
+                if len(spans) == max_spans - 1:
+                    first = len(pieces[0])                 # only a literal before the first escape
+                    spans.append((first, out_pos, first, in_pos))
+                    break
+                spans.append((out_pos - len(piece), out_pos, in_pos - len(escape), in_pos))
+            out_pos -= len(piece)
+            in_pos -= len(escape)
+        else:
+            out_pos -= len(piece)
+            in_pos -= len(piece)
+    return tuple(reversed(spans))
 
 
 def decode_round(data: bytes, stop: int | None = None,
@@ -166,7 +250,7 @@ def decode_round(data: bytes, stop: int | None = None,
     parts, pos = [], 0
     while True:                      # slice by slice: the same parse, bounded lists
         piece_stop = min(stop, pos + _SLICE)
-        out, used, _ = decode_round_marked(data[pos:piece_stop + MAX_ESCAPE_LEN], piece_stop - pos, families)
+        out, used = decode_round_marked(data[pos:piece_stop + MAX_ESCAPE_LEN], piece_stop - pos, families)[:2]
         parts.append(out)
         pos += used
         if pos >= stop:

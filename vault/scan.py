@@ -17,7 +17,12 @@ layers one family at a time (URL-decoding, JSON/JS string decoding, HTML
 unescaping, in any order and repeats) reads exactly one of the views.
 
 A stream is decoded exactly as the whole buffer would be (each escape round
-runs as its own small stream stage), so chunk boundaries change nothing.
+runs as its own small stream stage), so chunk boundaries change nothing. It
+holds back only what may still become part of an occurrence: in each view the
+longest suffix that is a proper prefix of a needle (with the base64
+characters right before it), and each round's escape cut short at the end,
+mapped back round by round to the raw bytes they came from (with the escape
+right before, in each round).
 What none of this can catch: data the sandbox (or a colluding upstream)
 encrypts or re-encodes itself — base32, UTF-16, hex with separators, its own
 compression inside a body (HTTP Content-Encoding is decoded before, by the
@@ -32,6 +37,7 @@ a value sent in pieces across separate bodies.
 from __future__ import annotations
 
 import re
+from bisect import bisect_left, bisect_right
 from itertools import product
 from typing import Iterable
 
@@ -41,13 +47,18 @@ from .forms import (ESCAPE_ROUNDS, FAMILIES, MAX_ESCAPE_LEN, MIN_FORM_LEN, REDAC
                     decode_round, decode_round_marked, starters)
 
 MAX_NEEDLE_LEN = 256      # longer forms are matched by their first 256 bytes (bounds the window)
-_BATCH = 4096             # a stream is scanned in steps of at least this much (or at its end)
+B64_LEAD = 8              # base64 characters held before a possible occurrence (see _Prefixes.lead)
+_MAX_SPANS = 64           # escapes a stream round maps exactly (older ones: merged into one span)
 _GAP = 256                # windows closer than this are scanned as one (fewer calls, few more bytes)
 _SLICE = 256 * 1024       # work on at most this much at once: bounds the match lists
 
 
 _HEX_DIGITS = re.compile(rb"[0-9a-fA-F]+")
 _HEX_LETTER = re.compile(rb"[a-fA-F]")
+_B64_ALPHABET = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/-_")
+_STARTERS = starters(FAMILIES)
+_HEAD = 4                 # prefixes this long are looked up in a set before a full comparison
+
 
 class LeakFound(Exception):
     """A secret's value or placeholder occurs in the data; names ids only, never values."""
@@ -92,6 +103,7 @@ class Needles:
         self._folded_automaton = _ac.BytesAhoCorasick(self._folded) if self._folded else None
         self.max_len = max(map(len, self._needles), default=0)
         self.empty = not self._needles
+        self.prefixes = _Prefixes(self._needles, self._folded)
 
     def find_raw(self, data: bytes) -> set[str]:
         """Secret ids whose needles occur in `data` as it is."""
@@ -150,43 +162,179 @@ def _decodings(form: bytes) -> set[bytes]:
     return set(out.values())
 
 
-def _raw_hold(max_len: int) -> int:
-    """Raw bytes to hold back so no byte of a not-yet-seen occurrence is released.
+class _Prefixes:
+    """Which suffix of a stream may begin an occurrence of a needle not yet complete.
 
-    An occurrence not yet seen in round r's output starts in its last max_len
-    bytes; each round holds back <= MAX_ESCAPE_LEN undecoded bytes, and D
-    decoded bytes come from <= ROUND_EXPANSION * D + MAX_ESCAPE_LEN input bytes.
-    Every view has at most ESCAPE_ROUNDS rounds, whatever families they decode.
+    `folded`: needles also matched on the lower-cased data (hex in any case).
+    """
+
+    def __init__(self, needles: Iterable[bytes], folded: Iterable[bytes] = ()):
+        self._sorted = sorted(needles)
+        self._folded = sorted(folded)
+        self._heads = {n[:k] for n in self._sorted for k in range(1, _HEAD + 1)}
+        # the folded needles' heads in every case, so no position needs lower-casing
+        self._folded_heads = {spelling for n in self._folded for k in range(1, _HEAD + 1)
+                              for spelling in _in_any_case(n[:k])}
+        # where a head starts, found in one pass (short needles: the whole needle is its head)
+        whole_heads = sorted({h for h in self._heads | self._folded_heads if len(h) == _HEAD}
+                             | {n for n in self._sorted if len(n) < _HEAD})
+        self._head_automaton = _ac.BytesAhoCorasick(whole_heads) if whole_heads else None
+
+    def first(self, data: bytes, start: int) -> int:
+        """The first i >= start with data[i:] a prefix of a needle (len(data) if none):
+        where the longest suffix from `start` on that a needle may still complete begins."""
+        n = len(data)
+        if self._head_automaton is not None and n - start > _HEAD:
+            found = {start + s for _, s, _ in self._head_automaton.find_matches_as_indexes(
+                memoryview(data)[start:], overlapping=True)}
+            candidates = sorted(found.union(range(n - _HEAD + 1, n)))   # (the last: too short for a whole head)
+        else:
+            candidates = range(start, n)
+        heads, folded_heads = self._heads, self._folded_heads
+        for i in candidates:
+            head = data[i:i + _HEAD]
+            if head in heads and _is_prefix(data[i:], self._sorted):
+                return i
+            if head in folded_heads and _is_prefix(data[i:].lower(), self._folded):
+                return i
+        return n
+
+    @staticmethod
+    def lead(data: bytes, i: int) -> int:
+        """Base64 characters right before data[i] (at most B64_LEAD; B64_LEAD if they reach the
+        start of `data`, which may be cut from a longer stream). An aligned base64 form starts
+        up to 3 characters into the encoded string, and the quanta before it encode what
+        preceded the value (a 'user:' in Basic auth): the string's start is held with it."""
+        j = i
+        while j > 0 and i - j < B64_LEAD and data[j - 1] in _B64_ALPHABET:
+            j -= 1
+        return B64_LEAD if j == 0 and i - j < B64_LEAD else i - j
+
+
+def _in_any_case(text: bytes) -> set[bytes]:
+    """Every upper/lower-case spelling of ASCII `text`."""
+    return {bytes(letters) for letters in product(*({c, ord(chr(c).upper())} for c in text))}
+
+
+def _is_prefix(piece: bytes, needles: list[bytes]) -> bool:
+    """Whether `piece` is a prefix of one of the sorted `needles`."""
+    i = bisect_left(needles, piece)
+    return i < len(needles) and needles[i].startswith(piece)
+
+
+def _raw_hold(max_len: int) -> int:
+    """Raw bytes held back at most, so no byte of a not-yet-seen occurrence is released.
+
+    An occurrence not yet complete in a view's output starts in its last max_len - 1
+    bytes, with up to B64_LEAD bytes before it; each round holds back < MAX_ESCAPE_LEN
+    undecoded bytes and the escape right before (<= MAX_ESCAPE_LEN), and D decoded
+    bytes come from <= ROUND_EXPANSION * D + MAX_ESCAPE_LEN input bytes. Every view
+    has at most ESCAPE_ROUNDS rounds. The hold actually needed is usually far
+    smaller: see StreamLeakScanner.
     """
     if max_len == 0:
         return 0
-    depth = max_len
+    depth = max_len + B64_LEAD
     for _ in range(ESCAPE_ROUNDS):
-        depth = ROUND_EXPANSION * depth + 2 * MAX_ESCAPE_LEN
+        depth = ROUND_EXPANSION * depth + 3 * MAX_ESCAPE_LEN
     return depth
 
 
 class _Round:
-    """One escape round of some families as a stream: decodes what later bytes cannot change."""
+    """One escape round of some families as a stream: decodes what later bytes cannot change.
 
-    def __init__(self, families: bytes) -> None:
+    For a stream's hold it also maps its output offsets back to input offsets: exactly
+    over its last _MAX_SPANS escapes that changed something, over older ones merged
+    into one span, and before that by the expansion bound; never past the true
+    offset (nor past the escape right before it), so what is released stays safe.
+    """
+
+    def __init__(self, families: bytes, track: bool) -> None:
         self.families = families
         self._starters = starters(families)
         self.held = b""
+        self.consumed = 0             # input bytes decoded so far (`held` starts there)
+        self.emitted = 0              # output bytes so far
+        self._max_spans = _MAX_SPANS if track else 0
+        self._spans: list[tuple[int, int, int, int]] = []   # (out_start, out_end, in_start, in_end)
+        self._base = (0, 0)           # exact (out, in) with only literals from it up to _spans[0]
+        self._out_need = 0            # nothing before these offsets can still be needed
+        self._in_need = 0
 
-    def feed(self, data: bytes, final: bool, max_marks: int) -> tuple[bytes, tuple | None]:
-        """(decoded bytes, their changed spans or None for "maybe all"), as decode_round_marked."""
+    def copies(self, data: bytes) -> bool:
+        """Whether `data` passes through unchanged (nothing held, no escape starter in it);
+        if so it has been accounted for."""
+        if self.held or any(first in data for first in self._starters):
+            return False
+        self.consumed += len(data)
+        self.emitted += len(data)
+        return True
+
+    def decode(self, data: bytes, final: bool, max_marks: int):
+        """This round's output for `data` (see forms.RoundOutput); `advance` applies it."""
         window = self.held + data if self.held else data
-        stop = len(window)
-        tail = window[-MAX_ESCAPE_LEN:]
-        if not final and any(first in tail for first in self._starters):
-            stop -= MAX_ESCAPE_LEN        # an escape may start there: wait for its end
-        if stop <= 0:
-            self.held = window
-            return b"", ()
-        out, used, marks = decode_round_marked(window, stop, self.families, max_marks)
+        return decode_round_marked(window, len(window) if final else None, self.families,
+                                   max_marks, self._max_spans), window
+
+    def advance(self, result) -> None:
+        (out, used, _, spans), window = result
+        if spans:
+            in_at, out_at = self.consumed, self.emitted
+            self._spans += [(out_at + a, out_at + b, in_at + c, in_at + d) for a, b, c, d in spans]
+            extra = len(self._spans) - self._max_spans
+            if extra > 0:             # merge the oldest: bounded memory, coarser far back
+                first, last = self._spans[0], self._spans[extra]
+                self._spans[:extra + 1] = [(first[0], last[1], first[2], last[3])]
         self.held = window[used:]
-        return out, marks
+        self.consumed += used
+        self.emitted += len(out)
+
+    def input_need(self, out_need: int) -> int:
+        """Given that output bytes from `out_need` on may still be needed, the input offset from
+        which input bytes may be (monotone: what was safe stays safe)."""
+        if out_need <= self._out_need:
+            return self._in_need
+        self._out_need = out_need
+        spans = self._spans
+        if spans and spans[0][1] < out_need:          # (one ending at out_need is still needed)
+            count = bisect_left(spans, out_need, key=_span_end)
+            self._base = spans[count - 1][1], spans[count - 1][3]
+            del spans[:count]
+        self._in_need = max(self._in_need, self._to_input(out_need))
+        return self._in_need
+
+    def _to_input(self, out: int) -> int:
+        """Where the input that output offset `out` (and what follows) came from begins,
+        the escape right before `out` included: an escape starter put next to a spelled
+        value pairs with its first escaped byte ('\\' + '&#92;'), so that escape holds
+        bytes of the spelling."""
+        out = min(out, self.emitted)
+        spans = self._spans
+        k = bisect_left(spans, out, key=_span_end)
+        if k < len(spans) and spans[k][1] == out:    # an escape (or a merged span's last) ends here
+            return max(spans[k][2], spans[k][3] - MAX_ESCAPE_LEN)
+        if out == self.emitted:
+            return self.consumed
+        i = bisect_right(spans, out, key=_span_start) - 1
+        if i >= 0:
+            out_start, out_end, in_start, in_end = spans[i]
+            if out > out_end:
+                return in_end + out - out_end
+            # inside: a single escape starts at in_start; a merged span, no earlier than that
+            # and than its end less what out_end - out output bytes can have come from
+            return max(in_start, in_end - ROUND_EXPANSION * (out_end - out) - MAX_ESCAPE_LEN)
+        base_out, base_in = self._base
+        if out >= base_out:
+            return base_in + out - base_out
+        return max(base_in - ROUND_EXPANSION * (base_out - out) - MAX_ESCAPE_LEN, 0)
+
+
+def _span_start(span: tuple) -> int:
+    return span[0]
+
+
+def _span_end(span: tuple) -> int:
+    return span[1]
 
 
 class _Matcher:
@@ -202,6 +350,7 @@ class _Matcher:
         self._keep = max(needles.max_len - 1, 0)
         self.tail = b""
         self.tail_marks: tuple = ()      # changed spans inside `tail`
+        self._partial = 0                # offset in the view where its longest needle prefix starts
 
     def scan(self, data: bytes, marks: tuple | None) -> set[str]:
         tail, keep, find = self.tail, self._keep, self._needles.find_raw
@@ -227,6 +376,21 @@ class _Matcher:
         self.tail_marks = tuple((max(s, cut) - cut, e - cut) for s, e in spans if e > cut) if keep else ()
         return found
 
+    def pending(self, size: int, seen: dict) -> int:
+        """Offset in the view (whose output is `size` bytes so far) from which its bytes may
+        belong to an occurrence not yet complete: the longest suffix that is a proper prefix
+        of a needle, with the base64 characters right before it (_Prefixes.lead).
+        `seen`: answers for tails other views share, during one hold computation."""
+        tail = self.tail
+        at = size - len(tail)                 # view offset of tail[0]
+        start = max(self._partial - at, 0)    # monotone: a longer suffix cannot become a prefix again
+        key = (id(tail), start)
+        i = seen.get(key)
+        if i is None:
+            i = seen[key] = self._needles.prefixes.first(tail, start)
+        self._partial = at + i
+        return max(at + i - _Prefixes.lead(tail, i), 0)
+
     def _window(self, data: bytes, lo: int, hi: int) -> bytes:
         base = len(self.tail)
         if lo >= base:
@@ -237,18 +401,24 @@ class _Matcher:
 class _Views:
     """Every view of one stream (the raw bytes and each path in VIEWS), decoded as it
     arrives, with the needles found in each. Views that got the same input in the
-    same state are decoded and scanned once (e.g. a percent round over data without '%')."""
+    same state are decoded and scanned once (e.g. a percent round over data without '%').
+    `track`: also keep what `hold_start` needs (a stream's; not a whole buffer's)."""
 
-    def __init__(self, needles: Needles):
+    def __init__(self, needles: Needles, track: bool = False):
         self._needles = needles
         index = {(): 0}
         for i, path in enumerate(VIEWS, 1):
             index[path] = i
         self._parents = [index[path[:-1]] for path in VIEWS]
-        self._rounds = [_Round(path[-1]) for path in VIEWS]
+        self._rounds = [_Round(path[-1], track) for path in VIEWS]
         self._matchers = [_Matcher(needles) for _ in range(len(VIEWS) + 1)]
+        self.size = 0                   # raw bytes stepped so far
+        self._quiet = True              # no round holds undecoded bytes
 
     def step(self, data: bytes, final: bool) -> set[str]:
+        self.size += len(data)
+        if self._quiet and not any(first in data for first in _STARTERS):
+            return self._step_copied(data)
         max_marks = max(len(data) // (4 * max(self._needles.max_len, 1)), 16)
         outs = [data]
         found = self._matchers[0].scan(data, None)
@@ -256,12 +426,15 @@ class _Views:
         scans_done: dict[tuple, tuple] = {}
         for parent, rnd, matcher in zip(self._parents, self._rounds, self._matchers[1:]):
             source = outs[parent]
-            key = (rnd.families, rnd.held, id(source))      # `outs` keeps `source` alive
-            done = rounds_done.get(key)
-            if done is None:
-                out, marks = rnd.feed(source, final, max_marks)
-                done = rounds_done[key] = (out, marks, rnd.held)
-            out, marks, rnd.held = done
+            if rnd.copies(source):
+                out, marks = source, ()
+            else:
+                key = (rnd.families, rnd.held, id(source))      # `outs` keeps `source` alive
+                done = rounds_done.get(key)
+                if done is None:
+                    done = rounds_done[key] = rnd.decode(source, final, max_marks)
+                rnd.advance(done)
+                out, marks = done[0].decoded, done[0].marks
             outs.append(out)
             key = (id(out), marks, matcher.tail, matcher.tail_marks)
             done = scans_done.get(key)
@@ -270,50 +443,92 @@ class _Views:
                 done = scans_done[key] = (hits, matcher.tail, matcher.tail_marks)
             hits, matcher.tail, matcher.tail_marks = done
             found |= hits
+        self._quiet = not any(rnd.held for rnd in self._rounds)
         return found
+
+    def _step_copied(self, data: bytes) -> set[str]:
+        """step() for data without an escape starter while no round holds anything: every
+        round copies it through, so every view gets `data` itself, with no changed span."""
+        n = len(data)
+        for rnd in self._rounds:
+            rnd.consumed += n
+            rnd.emitted += n
+        found = self._matchers[0].scan(data, None)
+        scans_done: dict[tuple, tuple] = {}
+        for matcher in self._matchers[1:]:
+            key = (matcher.tail, matcher.tail_marks)
+            done = scans_done.get(key)
+            if done is None:
+                hits = matcher.scan(data, ())
+                done = scans_done[key] = (hits, matcher.tail, matcher.tail_marks)
+            hits, matcher.tail, matcher.tail_marks = done
+            found |= hits
+        return found
+
+    def hold_start(self) -> int:
+        """Raw offset before which no byte can belong to an occurrence not yet complete in
+        any view: per view its pending suffix (_Matcher.pending) and its round's undecoded
+        rest, mapped back round by round to the raw stream; the earliest of them."""
+        need = [self.size] + [rnd.emitted for rnd in self._rounds]     # per view, in its output
+        seen: dict[tuple, int] = {}
+        for i in range(len(VIEWS), 0, -1):                               # children before parents
+            rnd = self._rounds[i - 1]
+            if rnd.held or rnd.consumed != rnd.emitted:
+                in_need = rnd.input_need(min(need[i], self._matchers[i].pending(rnd.emitted, seen)))
+            else:       # it changed nothing so far (escapes shrink): its parent's view, held by it
+                in_need = need[i]
+            parent = self._parents[i - 1]
+            if in_need < need[parent]:
+                need[parent] = in_need
+        return min(need[0], self._matchers[0].pending(self.size, seen))
 
 
 class StreamLeakScanner:
     """Leak check over a stream: feed() returns what is safe to forward now.
 
-    Small feeds are gathered into steps of _BATCH bytes (the views cost per
-    step, not per byte); unscanned bytes are never returned. Raises LeakFound
-    in the step where a needle occurs, raw or in any view (see `VIEWS`), before
-    any byte of that occurrence was returned. After a LeakFound every further
-    call raises it again. Memory: the held tail (`hold` bytes), a few hundred bytes per view,
-    the chunk being fed and, while a step runs, every view of that step (at most
+    Every feed is scanned at once, raw and in every view (see `VIEWS`); it raises
+    LeakFound in the feed where a needle occurs, before any byte of that occurrence
+    was returned. It returns every byte that cannot belong to an occurrence not yet
+    complete: it holds back only, per view, the longest suffix that is a proper
+    prefix of a needle (with the base64 characters right before it) and an escape
+    cut short at the end, mapped back to the raw bytes they came from (with the
+    escape right before, in each round). For text,
+    JSON or event streams that is nothing at most event ends and a few bytes
+    otherwise; at worst (escapes nested three deep) it is `hold` bytes. After a
+    LeakFound every further call raises it again. Memory: the held tail (<= `hold`
+    bytes), a few hundred bytes and up to _MAX_SPANS escape positions per view, the
+    chunk being fed and, while a step runs, every view of that step (at most
     len(VIEWS) + 1 times 256 KiB).
     """
 
     def __init__(self, needles: Needles):
         self._needles = needles
-        self.hold = _raw_hold(needles.max_len) + _BATCH
-        self._raw_hold = _raw_hold(needles.max_len)
-        self._unscanned = bytearray()
+        self.hold = _raw_hold(needles.max_len)
         self._pending = bytearray()
-        self._views = _Views(needles) if not needles.empty else None
+        self._released = 0
+        self._views = _Views(needles, track=True) if not needles.empty else None
         self._leak: LeakFound | None = None
+
+    @property
+    def held(self) -> int:
+        """Bytes fed but not yet returned."""
+        return len(self._pending)
 
     def feed(self, chunk: bytes) -> bytes:
         if self._views is None:
             return bytes(chunk)
         if self._leak is not None:
             raise self._leak
-        self._unscanned += chunk
-        if len(self._unscanned) < _BATCH:
-            return b""
-        data, self._unscanned = bytes(self._unscanned), bytearray()
+        chunk = bytes(chunk)
         out = []
-        for start in range(0, len(data), _SLICE):
-            out.append(self._step(data[start:start + _SLICE], final=False))
+        for start in range(0, len(chunk), _SLICE):
+            out.append(self._step(chunk[start:start + _SLICE], final=False))
         return b"".join(out)
 
     def finish(self) -> bytes:
         if self._views is None:
             return b""
-        data, self._unscanned = bytes(self._unscanned), bytearray()
-        out = self._step(data, final=False) if data else b""
-        return out + self._step(b"", final=True)
+        return self._step(b"", final=True)
 
     def _step(self, data: bytes, final: bool) -> bytes:
         if self._leak is not None:
@@ -324,11 +539,12 @@ class StreamLeakScanner:
             self._pending.clear()
             self._leak = LeakFound(found)
             raise self._leak
-        release = len(self._pending) if final else len(self._pending) - self._raw_hold
+        release = len(self._pending) if final else self._views.hold_start() - self._released
         if release <= 0:
             return b""
         out = bytes(self._pending[:release])
         del self._pending[:release]
+        self._released += release
         return out
 
 
@@ -336,10 +552,12 @@ class StreamScrubber:
     """Replace the injected secret's forms in a stream; refuse what cannot be replaced.
 
     Leftmost-longest replacement (no fragment of a longer form survives a
-    shorter one), held back across chunk boundaries, so the output over any
-    chunking equals feeding everything at once. The replaced stream then goes
-    through a StreamLeakScanner on the same forms: a spelling that survived
-    (e.g. every character as \\u00XX) raises Unscrubbable.
+    shorter one); only a suffix that may still grow into a form is held back
+    across chunk boundaries, so the output over any chunking equals feeding
+    everything at once. The replaced stream then goes through a
+    StreamLeakScanner on the same forms: a spelling that survived (e.g. every
+    character as \\u00XX) raises Unscrubbable. What it holds back is that
+    scanner's hold plus that suffix.
     """
 
     def __init__(self, forms: frozenset[bytes], replacement: bytes = REDACTED):
@@ -348,8 +566,14 @@ class StreamScrubber:
         self._automaton = (_ac.BytesAhoCorasick(self._forms, matchkind=_ac.MatchKind.LeftmostLongest)
                            if self._forms else None)
         self._keep = max(map(len, self._forms), default=1) - 1
+        self._prefixes = _Prefixes(self._forms)
         self._held = b""
         self._check = StreamLeakScanner(Needles([("injected", frozenset(self._forms))]))
+
+    @property
+    def held(self) -> int:
+        """Bytes fed but not yet returned (replaced or not)."""
+        return len(self._held) + self._check.held
 
     def feed(self, chunk: bytes) -> bytes:
         out = []
@@ -363,7 +587,7 @@ class StreamScrubber:
 
     def _step(self, data: bytes, final: bool) -> bytes:
         window = self._held + data
-        stop = len(window) if final else len(window) - self._keep
+        stop = len(window) if final else self._prefixes.first(window, max(len(window) - self._keep, 0))
         replaced, used = self._replace(window, stop) if stop > 0 else (b"", 0)
         self._held = window[used:]
         try:

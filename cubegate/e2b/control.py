@@ -163,10 +163,7 @@ class Resume(ControlBase):
                errors=(404, 409))
     async def post(self, id: str, body: m.ConnectBody) -> None:
         self.audit["sandbox"] = id
-        if await self.run(self.core.state_of, id) != "paused":
-            raise ApiError(409, "e2b", f"sandbox {id} is not paused")
-        _, created = await self.run(self.core.connect, self.tenant, id, body.timeout)
-        self.reply(201, created)
+        self.reply(201, await self.run(self.core.resume, self.tenant, id, body.timeout))
 
 
 class Connect(ControlBase):

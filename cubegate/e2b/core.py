@@ -31,12 +31,46 @@ USER = "user"
 CLIENT_ID = "cubegate"
 SIGNALS = {"SIGNAL_SIGKILL": 9, "SIGNAL_SIGTERM": 15, 9: 9, 15: 15}
 UNSUPPORTED_CREATE = {   # E2B create options cubegate does not offer (yet): refused, never ignored
-    "network": "per-sandbox network options are not available here yet (the tenant's egress policy applies)",
     "mcp": "MCP servers are not available",
     "volumeMounts": "volume mounts are not available",
     "iam": "workload identity (iam) is not available",
     "autoResume": "auto-resume is not available",
 }
+
+
+ALL_TRAFFIC = ("0.0.0.0/0", "::/0")     # the SDK's ALL_TRAFFIC (and its IPv6 twin) in denyOut
+NETWORK_KEYS = ("allowOut", "denyOut")
+
+
+def network_options(network, allow_internet_access) -> dict | None:
+    """E2B's `network` and `allow_internet_access` → cubegate's per-sandbox network options
+    (pure). They only ever narrow what the tenant's egress policy allows:
+      denyOut [ALL_TRAFFIC] + allowOut A → allow A (nothing else), or deny everything if A is empty;
+      other denyOut entries → deny; allowOut without ALL_TRAFFIC → allow (narrows as well);
+      allow_internet_access=False → as denyOut [ALL_TRAFFIC] (what E2B documents).
+    E2B lets allowOut win over a denyOut entry that covers it; here a deny wins (stricter,
+    never wider). Options cubegate has no equivalent for are refused, never ignored."""
+    if network in (None, {}) and allow_internet_access in (None, True):
+        return None
+    if network is None:
+        network = {}
+    if not isinstance(network, dict):
+        raise E2bError(400, "network must be an object")
+    for key in network:
+        if key not in NETWORK_KEYS:
+            raise E2bError(400, f"network.{key}: not available here (cubegate offers allowOut and denyOut)")
+    lists = {}
+    for key in NETWORK_KEYS:
+        items = network.get(key) or []
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise E2bError(400, f"network.{key} must be a list of strings")
+        lists[key] = [x.strip() for x in items]
+    everything = any(x in ALL_TRAFFIC for x in lists["denyOut"]) or allow_internet_access is False
+    out = {"allow": [x for x in lists["allowOut"] if x not in ALL_TRAFFIC],
+           "deny": [x for x in lists["denyOut"] if x not in ALL_TRAFFIC]}
+    if everything and not out["allow"]:
+        out["deny"].append("*")
+    return out
 
 
 class E2bError(Exception):
@@ -122,9 +156,7 @@ class E2bCore:
         for key, why in UNSUPPORTED_CREATE.items():
             if body.get(key) not in (None, {}, []):
                 raise E2bError(400, f"{key}: {why}")
-        if body.get("allow_internet_access") is False:
-            raise E2bError(400, "allow_internet_access=False: per-sandbox network options are not available here "
-                                "yet; the tenant's egress policy decides what a sandbox may reach")
+        network = network_options(body.get("network"), body.get("allow_internet_access"))
         if body.get("autoPause") is True:
             raise E2bError(400, "autoPause: pausing on timeout is not available; the sandbox is killed at its end time")
         template_id = body.get("templateID")
@@ -141,7 +173,7 @@ class E2bCore:
         env = {"HOME": HOME, "USER": USER, "E2B_SANDBOX": "true", "E2B_SANDBOX_ID": sid, "E2B_TEMPLATE_ID": t.id,
                **env_vars}
         self.manager.create(CreateRequest(sandbox_id=sid, tenant=tenant, backend=t.backend or self.default_backend,
-                                          limits=limits, env=env))
+                                          limits=limits, env=env, network=network))
         now = time.time()
         rec = E2bSandbox(sandbox_id=sid, tenant=tenant, template_id=t.id, alias=t.id, started_at=now,
                          end_at=now + timeout, envd_token=secrets.token_urlsafe(32), metadata=metadata,
@@ -223,13 +255,19 @@ class E2bCore:
 
     def _destroy(self, sandbox_id: str) -> None:
         self.processes.drop_sandbox(sandbox_id)
+        try:
+            self.manager.destroy(sandbox_id)      # its hooks call forget_sandbox
+        except NotFound:
+            pass
+        self.forget_sandbox(sandbox_id)
+
+    def forget_sandbox(self, sandbox_id: str) -> None:
+        """The sandbox is gone, however it went (this API, cubegate's own, a failure): its E2B
+        record (envd token), processes, kernel and samples go at once — a reused id inherits none."""
+        self.processes.drop_sandbox(sandbox_id)
         with self._lock:
             self._kernels.pop(sandbox_id, None)
             self._cpu_samples.pop(sandbox_id, None)
-        try:
-            self.manager.destroy(sandbox_id)
-        except NotFound:
-            pass
         self.registry.delete(sandbox_id)
 
     def set_timeout(self, tenant: str, sandbox_id: str, timeout) -> None:
@@ -241,6 +279,14 @@ class E2bCore:
         if self.state_of(sandbox_id) == "paused":
             raise E2bError(409, f"sandbox {sandbox_id} is already paused")
         self.manager.pause(sandbox_id)
+
+    def resume(self, tenant: str, sandbox_id: str, timeout) -> dict:
+        """Older SDKs' resume: ownership first (every foreign or missing id is the same 404),
+        then the state (409 when it is not paused)."""
+        self.owned(tenant, sandbox_id)
+        if self.state_of(sandbox_id) != "paused":
+            raise E2bError(409, f"sandbox {sandbox_id} is not paused")
+        return self.connect(tenant, sandbox_id, timeout)[1]
 
     def connect(self, tenant: str, sandbox_id: str, timeout) -> tuple[int, dict]:
         """Resume a paused sandbox (201) or extend a running one's end time (200)."""

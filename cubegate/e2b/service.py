@@ -72,6 +72,9 @@ async def start_for(daemon, runtime) -> E2bService | None:
                    templates=templates.catalogue({k: v.model_dump(exclude_none=True) for k, v in e.templates.items()}),
                    default_backend=s.runtime.default_backend, default_limits=default_limits(s.runtime),
                    default_timeout=e.default_timeout_seconds, max_timeout=e.max_timeout_seconds, domain=e.domain)
+    on_forget = getattr(runtime.manager.hooks, "on_forget", None)
+    if on_forget is not None:
+        on_forget(core.forget_sandbox)
     pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="e2b")
     tokens = TokenCheck(token_file, daemon.vault.tokens if daemon.vault is not None else None)
     app = make_app(core, tokens, pool, tenants=dict(e.token_tenants), default_tenant=e.tenant, domain=e.domain,

@@ -8,10 +8,14 @@ Order of one decision (on top of PRECEDENCE.md):
   3. the sandbox's network options, when it has any, may turn an allow into a
      deny (`sandbox_network_deny`, `sandbox_network_not_allowed`): they only narrow.
 The SSRF guard runs after all of this in the gate, whatever was decided here.
+Time: a grant past its expiry is not in force. The decisions take `now` (unix
+seconds); left out, it is read from the injected clock, so the logic stays pure
+and table-testable while a grant never outlives its expiry by a sweep interval.
 Same duck type as CompiledPolicySet for the gate, the resolver and the runtime.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 
 from .compiled import CompiledPolicySet
@@ -26,8 +30,10 @@ GRANTABLE = frozenset({"rule_deny", "default_deny", "no_policy", "ip_literal_not
 
 class EffectivePolicy:
     def __init__(self, base: CompiledPolicySet, grants: GrantIndex | None = None,
-                 networks: Mapping[str, SandboxNetwork] | None = None, *, digest: str | None = None):
+                 networks: Mapping[str, SandboxNetwork] | None = None, *, digest: str | None = None,
+                 clock: Callable[[], float] = time.time):
         self.base = base
+        self.clock = clock
         self.grants = grants or GrantIndex(())
         self.networks = dict(networks or {})
         self.digest = digest if digest is not None else base.digest
@@ -59,7 +65,7 @@ class EffectivePolicy:
         return self.networks.get(sandbox_id)
 
     # -- decisions --------------------------------------------------------------------
-    def decide(self, req: RequestInfo) -> Decision:
+    def decide(self, req: RequestInfo, now: float | None = None) -> Decision:
         d = self.base.decide(req)
         if d.reason in FINAL_REASONS:
             return d
@@ -71,7 +77,7 @@ class EffectivePolicy:
         except InvalidHost:
             return d   # the base already said invalid_host
         if (d.action == DENY and d.reason in GRANTABLE) or d.would_deny:
-            for g in self.grants.for_sandbox(req.sandbox_id, req.labels):
+            for g in self.grants.for_sandbox(req.sandbox_id, req.labels, self.clock() if now is None else now):
                 if g.covers(host, addr, req.port):
                     d = Decision(ALLOW, "grant_allow", g.name, g.name, "enforce", False, False, d.tenant)
                     break
@@ -82,7 +88,8 @@ class EffectivePolicy:
                 return Decision(DENY, reason, entry, f"network:{req.sandbox_id}", "enforce", False, False, d.tenant)
         return d
 
-    def name_may_resolve(self, sandbox_id: str, labels: Mapping[str, str], name: str) -> bool:
+    def name_may_resolve(self, sandbox_id: str, labels: Mapping[str, str], name: str,
+                         now: float | None = None) -> bool:
         ok = self.base.name_may_resolve(sandbox_id, labels, name)
         if not ok and self.grants:
             try:
@@ -90,7 +97,8 @@ class EffectivePolicy:
             except InvalidHost:
                 return False
             if addr is None and not self.base._globally_denied(host, None):
-                ok = any(g.names(host) for g in self.grants.for_sandbox(sandbox_id, labels))
+                ok = any(g.names(host) for g in self.grants.for_sandbox(sandbox_id, labels,
+                                                                       self.clock() if now is None else now))
         net = self.networks.get(sandbox_id)
         if ok and net is not None:
             try:
@@ -100,13 +108,14 @@ class EffectivePolicy:
             ok = net.may_resolve(host)
         return ok
 
-    def resolve_scope(self, sandbox_id: str, labels: Mapping[str, str], name: str) -> str | None:
+    def resolve_scope(self, sandbox_id: str, labels: Mapping[str, str], name: str,
+                      now: float | None = None) -> str | None:
         if self.grants:
             try:
                 host, addr = normalize_host_addr(name)
             except InvalidHost:
                 host, addr = "", None
-            for g in self.grants.for_sandbox(sandbox_id, labels):
+            for g in self.grants.for_sandbox(sandbox_id, labels, self.clock() if now is None else now):
                 if addr is None and any(not p.wildcard and p.name == host for p in g.hosts):
                     return None   # an exact grant, like an exact host rule, is not rate limited
         return self.base.resolve_scope(sandbox_id, labels, name)
@@ -114,6 +123,10 @@ class EffectivePolicy:
     def hosts_allowed(self, sandbox_id: str, labels: Mapping[str, str]) -> Callable[[str], bool]:
         labels = dict(labels)
         return lambda name: self.name_may_resolve(sandbox_id, labels, name)
+
+    def expired_grants(self, now: float | None = None) -> tuple[str, ...]:
+        """Names of the grants past their expiry (not yet swept): a key for caches of decisions."""
+        return self.grants.expired(self.clock() if now is None else now)
 
     def __repr__(self) -> str:
         return (f"EffectivePolicy({self.base!r}, grants={len(self.grants.grants)}, "

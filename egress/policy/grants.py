@@ -5,17 +5,17 @@ tenant-wide grant, since the runtime labels every sandbox with its tenant),
 what (hosts or CIDRs, optional ports) and until when. It can turn the selected
 policy's deny (a rule, the default, no policy, or report mode's would-deny)
 into an allow; it never passes a global deny, the SSRF guard or the sandbox's
-own network options. Expiry is enforced by the daemon removing the grant
-(decide() reads no clock).
+own network options. Expiry is enforced where the grant is read: a grant past
+its `expires` selects nobody (the caller passes the time in; the daemon's sweep
+then removes it and closes what it allowed).
 """
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .errors import ErrorItem, PolicyError
-from .hosts import HostPattern, InvalidHost, IPAddress, parse_host_pattern
+from .hosts import HostPattern, InvalidHost, IPAddress, parse_cidr, parse_host_pattern
 from .model import IPNetwork
 
 
@@ -29,6 +29,9 @@ class Grant:
     ports: frozenset[int] | None = None
     expires: float | None = None
     request: str | None = None      # the access request it came from
+
+    def in_force(self, now: float) -> bool:
+        return self.expires is None or now < self.expires
 
     def selects(self, sandbox_id: str, labels: Mapping[str, str]) -> bool:
         if sandbox_id in self.sandboxes:
@@ -92,7 +95,7 @@ def parse_grant(name: str, doc: object) -> Grant:
     cidrs: list = []
     for i, c in enumerate(doc.get("cidrs") or []):
         try:
-            cidrs.append(ipaddress.ip_network(c, strict=True))
+            cidrs.append(parse_cidr(c))
         except (TypeError, ValueError) as e:
             err(f"cidrs[{i}]", f"not a valid CIDR: {e}")
     if not hosts and not cidrs:
@@ -126,10 +129,14 @@ class GrantIndex:
             if g.labels:
                 self._by_labels.append(g)
 
-    def for_sandbox(self, sandbox_id: str, labels: Mapping[str, str]) -> list[Grant]:
-        out = list(self._by_sandbox.get(sandbox_id, ()))
-        out += [g for g in self._by_labels if g.selects(sandbox_id, labels) and g not in out]
+    def for_sandbox(self, sandbox_id: str, labels: Mapping[str, str], now: float) -> list[Grant]:
+        """The grants in force at `now` that select the sandbox."""
+        out = [g for g in self._by_sandbox.get(sandbox_id, ()) if g.in_force(now)]
+        out += [g for g in self._by_labels if g.selects(sandbox_id, labels) and g.in_force(now) and g not in out]
         return out
+
+    def expired(self, now: float) -> tuple[str, ...]:
+        return tuple(sorted(g.name for g in self.grants if not g.in_force(now)))
 
     def __bool__(self) -> bool:
         return bool(self.grants)

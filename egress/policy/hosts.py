@@ -50,6 +50,28 @@ def parse_ip(text: str) -> IPAddress | None:
     return addr
 
 
+_MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
+
+
+def parse_cidr(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    """A policy CIDR (or bare address) in the spelling requests are compared in; ValueError.
+
+    Requests are normalised by parse_ip (IPv4-mapped IPv6 → the IPv4 address), so a
+    network inside ::ffff:0:0/96 becomes the IPv4 network it carries: else a deny
+    entry written `::ffff:10.0.0.0/104` would deny nothing. Zone ids are refused
+    (a request with one is invalid, so such an entry could only ever match nothing).
+    Non-canonical IPv4 spellings (127.1, 0x7f.1, 010.0.0.1) are refused by ipaddress.
+    """
+    if not isinstance(text, str):
+        raise ValueError("expected a CIDR string")
+    if "%" in text:
+        raise ValueError("zone ids (%eth0) name a host-local interface, never a destination")
+    net = ipaddress.ip_network(text, strict=True)
+    if isinstance(net, ipaddress.IPv6Network) and net.subnet_of(_MAPPED):
+        net = ipaddress.IPv4Network((int(net.network_address) & 0xFFFFFFFF, net.prefixlen - 96))
+    return net
+
+
 def _strip_port(raw: str) -> str:
     """Remove a ``:port`` suffix; keep bare IPv6 literals intact."""
     if raw.startswith("["):

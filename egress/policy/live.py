@@ -261,6 +261,29 @@ class LivePolicies:
             self.delete_grant(n, actor=actor, action="expire")
         return gone
 
+    def drop_sandbox_grants(self, sandbox_id: str, *, actor: str) -> list[str]:
+        """A sandbox that is gone takes the grants scoped to its id with it (ids are reused:
+        the next sandbox of that name must inherit nothing). A grant that also names other
+        sandboxes or a label selector loses only this id. Names of the grants changed."""
+        changed = []
+        with self._lock:
+            for name, g in sorted(self._grants.items()):
+                if sandbox_id not in g.sandboxes:
+                    continue
+                rest = sorted(g.sandboxes - {sandbox_id})
+                if not rest and not g.labels:
+                    self._change("grant", name, None, None, action="delete", actor=actor,
+                                 note=f"sandbox {sandbox_id} destroyed")
+                else:
+                    doc = g.to_doc()
+                    doc["applies_to"].pop("sandboxes", None)
+                    if rest:
+                        doc["applies_to"]["sandboxes"] = rest
+                    self._change("grant", name, parse_grant(name, doc), doc, action="replace", actor=actor,
+                                 note=f"sandbox {sandbox_id} destroyed")
+                changed.append(name)
+        return changed
+
     # ------------------------------------------------------------------ networks
     def set_network(self, sandbox_id: str, doc: dict, *, actor: str) -> Version:
         net = parse_network(doc, source=_source("network", sandbox_id))

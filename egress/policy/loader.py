@@ -18,7 +18,7 @@ import yaml
 
 from .compiled import CompiledPolicySet
 from .errors import ErrorItem, PolicyError
-from .hosts import HostPattern, InvalidHost, InvalidPath, normalize_path, parse_host_pattern
+from .hosts import HostPattern, InvalidHost, InvalidPath, normalize_path, parse_cidr, parse_host_pattern
 from .model import (
     ACTIONS,
     ALLOW,
@@ -181,7 +181,7 @@ def _cidrs(r: _Reader, node: yaml.Node, field: str) -> list[ipaddress.IPv4Networ
         if text is None:
             continue
         try:
-            out.append(ipaddress.ip_network(text.strip(), strict=True))
+            out.append(parse_cidr(text.strip()))   # mapped IPv6 → IPv4, as requests are
         except ValueError as exc:
             hint = ""
             try:

@@ -2,18 +2,18 @@
 
 Entries: a host (`api.x.com`), a wildcard (`*.x.com`), an IP or CIDR
 (`198.18.0.10`, `10.0.0.0/8`, `[2001:db8::/32]`), each optionally with one
-port (`api.x.com:443`, `10.0.0.0/8:5432`, `[2001:db8::1]:443`). The sandbox
+port (`api.x.com:443`, `10.0.0.0/8:5432`, `[2001:db8::1]:443`); and, in `deny`
+only, a bare `*`: every destination (no egress at all). The sandbox
 may reach a destination only if the admin policies allow it AND (the allow
 list is empty or names it) AND the deny list does not name it. Nothing here
 can allow what the admin policies deny (see EffectivePolicy.decide).
 """
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 
 from .errors import ErrorItem, PolicyError
-from .hosts import HostPattern, InvalidHost, IPAddress, parse_host_pattern
+from .hosts import HostPattern, InvalidHost, IPAddress, parse_cidr, parse_host_pattern
 from .model import IPNetwork
 
 MAX_ENTRIES = 256
@@ -25,9 +25,12 @@ class NetEntry:
     host: HostPattern | None       # a name entry
     net: IPNetwork | None          # an address entry
     port: int | None               # None = every port
+    everything: bool = False       # `*` (deny only): every name and address, every port
 
     def matches(self, host: str, addr: IPAddress | None, port: int | None) -> bool:
         """port None = "some port" (DNS): only an entry for every port is certain to match."""
+        if self.everything:
+            return True
         if self.port is not None and self.port != port:
             return False
         if addr is not None:
@@ -36,7 +39,7 @@ class NetEntry:
 
     def names(self, host: str) -> bool:
         """Could a request to name `host` on some port match this entry?"""
-        return self.host is not None and self.host.matches(host)
+        return self.everything or (self.host is not None and self.host.matches(host))
 
 
 @dataclass(frozen=True)
@@ -93,9 +96,9 @@ def parse_entry(text: object) -> NetEntry:
     raw = text.strip()
     head, port = _split_port(raw)
     try:
-        net = ipaddress.ip_network(head, strict=True)
+        net = parse_cidr(head)     # the spelling requests are compared in (mapped IPv6 → IPv4)
     except ValueError as e:
-        if "/" in head or head.replace(".", "").isdigit():
+        if "/" in head or "%" in head or ":" in head or head.replace(".", "").isdigit():
             raise ValueError(f"not a valid address or CIDR: {e}") from None
         net = None
     if net is not None:
@@ -124,6 +127,13 @@ def parse_network(doc: object, *, source: str = "network") -> SandboxNetwork:
             errors.append(ErrorItem(source, 0, key, f"at most {MAX_ENTRIES} entries"))
             continue
         for i, item in enumerate(items):
+            if item == "*":
+                if key == "deny":
+                    out[key].append(NetEntry("*", None, None, None, everything=True))
+                else:
+                    errors.append(ErrorItem(source, 0, f"{key}[{i}]", 'a bare "*" is for deny only (no egress '
+                                            'at all); an allow list names what may pass'))
+                continue
             try:
                 out[key].append(parse_entry(item))
             except ValueError as e:

@@ -35,7 +35,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define AGENT_VERSION "cubegate-agent 2"
+#define AGENT_VERSION "cubegate-agent 3"
 #define MAX_FRAME (16u << 20)
 #define MAX_STREAM (16u << 20)
 #define CHUNK 65536
@@ -278,8 +278,9 @@ static int pidfd_open_(pid_t pid) {
 #endif
 }
 
-/* Output pump for one stream: forward up to MAX_STREAM bytes, note truncation. */
-struct stream { int fd; char type; size_t sent; int truncated; };
+/* Output pump for one stream: forward up to `cap` bytes (MAX_STREAM for 'E'; no cap for
+ * 'e', whose client consumes frames as they come and bounds what it keeps), note truncation. */
+struct stream { int fd; char type; size_t sent; int truncated; size_t cap; };
 
 static int pump(int sock, struct stream *s) {
     char buf[CHUNK];
@@ -287,7 +288,7 @@ static int pump(int sock, struct stream *s) {
     if (r < 0 && (errno == EINTR || errno == EAGAIN)) return 0;
     if (r <= 0) { close(s->fd); s->fd = -1; return 0; }
     size_t keep = (size_t)r;
-    if (s->sent + keep > MAX_STREAM) { keep = MAX_STREAM - s->sent; s->truncated = 1; }
+    if (s->sent + keep > s->cap) { keep = s->cap - s->sent; s->truncated = 1; }
     s->sent += keep;
     if (keep && send_frame(sock, s->type, buf, keep) < 0) return -1;
     return 0;
@@ -319,7 +320,7 @@ static int await_stdin_eof(int sock) {
     }
 }
 
-static void handle_exec(int sock, char *p, uint32_t len) {
+static void handle_exec(int sock, char *p, uint32_t len, size_t cap) {
     char *hdr[3];
     uint32_t used;
     int ok;
@@ -371,7 +372,7 @@ static void handle_exec(int sock, char *p, uint32_t len) {
     int pfd = pidfd_open_(pid);
     int stdin_fd = in[1];
     set_nonblock(stdin_fd);
-    struct stream so = {out[0], 'O', 0, 0}, se = {err[0], 'R', 0, 0};
+    struct stream so = {out[0], 'O', 0, 0, cap}, se = {err[0], 'R', 0, 0, cap};
     set_nonblock(so.fd); set_nonblock(se.fd);
 
     char *inbuf = NULL;          /* pending stdin frame */
@@ -646,7 +647,8 @@ static int dispatch(int fd, char type, char *p, uint32_t len) {
     switch (type) {
     case 'P': send_str(fd, 'p', AGENT_VERSION); return 0;
     case 'V': handle_setenv(fd, p, len); return 0;
-    case 'E': handle_exec(fd, p, len); return 0;
+    case 'E': handle_exec(fd, p, len, MAX_STREAM); return 0;
+    case 'e': handle_exec(fd, p, len, SIZE_MAX); return 0;   /* streamed: no lifetime cap (agent 3) */
     case 'W': handle_write(fd, p, len); return 0;
     case 'G': handle_read(fd, p, len); return 0;
     case 'K': handle_signal(fd, p, len); return 0;
@@ -694,7 +696,7 @@ static int serve_listener(int lfd) {
         setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
         char t; char *p; uint32_t l;
         if (recv_frame(c, &t, &p, &l) < 0) { close(c); continue; }
-        if (t == 'P' || t == 'V' || !strchr("EWGKTLMNUAH", t)) {
+        if (t == 'P' || t == 'V' || !strchr("EeWGKTLMNUAH", t)) {
             dispatch(c, t, p, l);
             free(p);
             close(c);

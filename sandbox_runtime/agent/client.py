@@ -183,7 +183,18 @@ class AgentClient:
         agents only: on a serial agent the stream would hold the port for the command's life."""
         if self._serial:
             raise AgentError("streamed execs need a connection per request (not a serial agent)")
-        req = encode_frame(b"E", encode_exec(list(argv), timeout, env or {}, cwd))
+        payload = encode_exec(list(argv), timeout, env or {}, cwd)
+        try:
+            # 'e' (agent 3): no cap on the output over the command's life — a long-lived
+            # process (the code interpreter's kernel) must not go deaf after 16 MiB; the
+            # reader bounds what it keeps. An agent 2 refuses it: 'E', capped, as before.
+            return self._open_stream(encode_frame(b"e", payload))
+        except AgentError as e:
+            if "unknown request" not in str(e):
+                raise
+        return self._open_stream(encode_frame(b"E", payload))
+
+    def _open_stream(self, req: bytes) -> "ExecStream":
         try:
             s = self._connect()
         except OSError as e:

@@ -97,3 +97,82 @@ def test_table_keeps_a_bounded_number_of_ended_processes():
     with pytest.raises(pt.NoSuchProcess):
         t.get("sb", pid=2)
     assert t.get("sb", pid=pt.KEEP_EXITED + 11).exit.exit_code == 0
+
+
+# ---------------------------------------------------------------- network options (attack pass 2)
+
+from cubegate.e2b.core import E2bError, network_options  # noqa: E402
+
+
+@pytest.mark.parametrize("network,internet,expected", [
+    (None, None, None),
+    (None, True, None),
+    ({}, None, None),
+    (None, False, {"allow": [], "deny": ["*"]}),
+    ({"denyOut": ["0.0.0.0/0"]}, None, {"allow": [], "deny": ["*"]}),
+    ({"allowOut": ["api.allowed.test"], "denyOut": ["0.0.0.0/0"]}, None, {"allow": ["api.allowed.test"], "deny": []}),
+    ({"allowOut": ["api.allowed.test"]}, False, {"allow": ["api.allowed.test"], "deny": []}),
+    ({"denyOut": ["198.18.0.0/24", "echo.allowed.test"]}, None,
+     {"allow": [], "deny": ["198.18.0.0/24", "echo.allowed.test"]}),
+    ({"allowOut": ["1.1.1.1"]}, None, {"allow": ["1.1.1.1"], "deny": []}),      # narrows too
+    ({"allowOut": ["0.0.0.0/0"]}, None, {"allow": [], "deny": []}),            # "everything": no narrowing
+])
+def test_e2b_network_maps_onto_the_narrowing_options(network, internet, expected):
+    assert network_options(network, internet) == expected
+
+
+@pytest.mark.parametrize("network", [{"dnsServers": []}, {"egressProxy": {"address": "p:1080"}},
+                                     {"maskRequestHost": "x"}, {"rules": {}}, {"allowOut": "x"}, {"denyOut": [1]}, []])
+def test_e2b_network_options_cubegate_cannot_honour_are_refused(network):
+    with pytest.raises(E2bError) as e:
+        network_options(network, None)
+    assert e.value.status == 400
+
+
+def test_mapped_options_never_widen_the_tenant_policy(tmp_path):
+    """What the mapping produces goes through the same narrowing as the runtime API's `network`."""
+    from egress.policy import RequestInfo, load_policy_files
+    from egress.policy.effective import EffectivePolicy
+    from egress.policy.network import parse_network
+    p = tmp_path / "p.yaml"
+    p.write_text("name: p\ndefault: deny\nrules:\n  - {name: a, action: allow, match: {hosts: [api.allowed.test, "
+                 "echo.allowed.test]}}\n")
+    admin = load_policy_files([p])
+
+    def allowed(opts, host):
+        eff = EffectivePolicy(admin, networks={"sb": parse_network(opts)} if opts else {})
+        return eff.decide(RequestInfo("sb", {}, host, 443)).allowed
+    only_api = network_options({"allowOut": ["api.allowed.test", "evil.test"], "denyOut": ["0.0.0.0/0"]}, None)
+    assert allowed(only_api, "api.allowed.test") and not allowed(only_api, "echo.allowed.test")
+    assert not allowed(only_api, "evil.test")                       # named, but the policy denies it
+    nothing = network_options(None, False)
+    assert not allowed(nothing, "api.allowed.test")
+    assert not EffectivePolicy(admin, networks={"sb": parse_network(nothing)}).name_may_resolve(
+        "sb", {}, "api.allowed.test")
+
+
+def test_resume_checks_ownership_before_state(tmp_path):
+    """Another tenant's sandbox, paused or running, and a missing id: the same 404."""
+    from cubegate.e2b.core import E2bCore
+    from cubegate.e2b.registry import Registry
+    from sandbox_runtime.backend import Limits
+    from sandbox_runtime.capacity import default_budget
+    from sandbox_runtime.manager import SandboxManager
+    from sandbox_runtime.state import SandboxRecord, StateStore
+    state = StateStore(tmp_path / "s.db")
+    manager = SandboxManager(switch=None, backends={}, state=state, budget=default_budget(1024, 1.0, 4, 0))
+    core = E2bCore(manager, Registry(tmp_path / "e2b"), templates={}, default_backend="namespace",
+                   default_limits=Limits(), default_timeout=60, max_timeout=600, domain=None)
+    for sid, st in (("a-paused", "paused"), ("a-running", "running")):
+        state.put(SandboxRecord(sid, "acme", "namespace", state=st))
+        core.registry.put(E2bSandbox(sid, "acme", "base", "base", 0.0, 1e12, "tok"))
+    answers = {}
+    for sid in ("a-paused", "a-running", "missing"):
+        with pytest.raises(E2bError) as e:
+            core.resume("beta", sid, None)
+        answers[sid] = (e.value.status, e.value.message.replace(sid, "<id>"))
+    assert len(set(answers.values())) == 1 and answers["missing"][0] == 404, answers
+    with pytest.raises(E2bError) as e:
+        core.resume("acme", "a-running", None)
+    assert e.value.status == 409
+    state.close()

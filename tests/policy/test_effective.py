@@ -147,3 +147,45 @@ def test_network_entry_forms():
     assert parse_entry("*.x.test:8443").host.wildcard
     with pytest.raises(PolicyError):
         parse_network({"allow": [], "widen": ["x"]})
+
+
+def test_a_grant_is_not_in_force_past_its_expiry_whatever_the_sweep(admin):
+    """decide() takes the time (or reads the injected clock): an expired grant that the
+    daemon's sweep has not removed yet — or that a restart loaded back — allows nothing."""
+    doc = {"applies_to": {"sandboxes": ["sb-1"]}, "hosts": ["new.test"], "expires": 1000.0}
+    now = [999.0]
+    e = EffectivePolicy(admin, GrantIndex([parse_grant("g", doc)]), clock=lambda: now[0])
+    assert e.decide(req("new.test")).reason == "grant_allow"
+    assert e.name_may_resolve("sb-1", {}, "new.test")
+    assert e.expired_grants() == ()
+    now[0] = 1000.0
+    d = e.decide(req("new.test"))
+    assert (d.action, d.reason) == ("deny", "default_deny")
+    assert not e.name_may_resolve("sb-1", {}, "new.test")
+    assert e.expired_grants() == ("g",)
+    assert e.decide(req("new.test"), now=500.0).reason == "grant_allow"     # the time passed in wins
+    label = parse_grant("t", {"applies_to": {"labels": {"tenant": "acme"}}, "hosts": ["new.test"], "expires": 10.0})
+    e2 = EffectivePolicy(admin, GrantIndex([label]), clock=lambda: 11.0)
+    assert not e2.decide(req("new.test", labels={"tenant": "acme"})).allowed
+
+
+def test_an_expired_grant_loaded_after_a_restart_allows_nothing(tmp_path, load):
+    from egress.policy.live import LivePolicies
+    from egress.policy.reload import PolicyStore
+    from egress.policy.repo import PolicyRepo
+    from policy_testlib import write
+    (tmp_path / "p").mkdir()
+    write(tmp_path / "p", "a.yaml", ADMIN)
+    repo = PolicyRepo(tmp_path / "policies.db")
+    live = LivePolicies(PolicyStore(tmp_path / "p"), repo)
+    import time
+    live.put_grant("g", {"applies_to": {"sandboxes": ["sb-1"]}, "hosts": ["new.test"], "expires": time.time() + 0.3},
+                   actor="t")
+    assert live.current.decide(req("new.test")).reason == "grant_allow"
+    repo.close()
+    time.sleep(0.4)
+    repo = PolicyRepo(tmp_path / "policies.db")          # a restart, before any sweep ran
+    live = LivePolicies(PolicyStore(tmp_path / "p"), repo)
+    assert "g" in live.grants()
+    assert live.current.decide(req("new.test")).reason == "default_deny"
+    repo.close()

@@ -112,12 +112,13 @@ def test_grants_and_networks_are_versioned_and_expire(live):
     live.put_grant("grant.r1", {"applies_to": {"sandboxes": ["sb-1"]}, "hosts": ["new.test"], "ports": [443],
                                 "expires": 100.0}, actor="admin")
     live.set_network("sb-1", {"deny": ["api.x.test"]}, actor="runtime")
-    assert live.current.decide(req("new.test")).reason == "grant_allow"
+    assert live.current.decide(req("new.test"), now=50.0).reason == "grant_allow"     # before its expiry
+    assert live.current.decide(req("new.test")).reason == "default_deny"              # now: long expired
     assert live.current.decide(req("api.x.test")).reason == "sandbox_network_deny"
     again = live.reopen()
-    assert again.current.decide(req("new.test")).reason == "grant_allow"
+    assert again.current.decide(req("new.test"), now=50.0).reason == "grant_allow"
     assert again.expire_grants(99.0) == [] and again.expire_grants(100.0) == ["grant.r1"]
-    assert not again.current.decide(req("new.test")).allowed
+    assert not again.current.decide(req("new.test"), now=50.0).allowed              # swept: gone
     assert again.history("grant", "grant.r1")[0].action == "expire"
     again.remove_network("sb-1", actor="runtime")
     assert again.current.decide(req("api.x.test")).allowed

@@ -106,6 +106,29 @@ def test_large_output_is_capped_at_16_mib_with_a_note(agent):
     assert b"stdout truncated" in r.stderr
 
 
+def test_a_streamed_exec_has_no_lifetime_output_cap(agent):
+    """'e' (agent 3): a long-lived process (the code interpreter's kernel) keeps talking past
+    16 MiB; the reader, not the agent, bounds what is kept (attack pass 2, finding 7)."""
+    client, _, _ = agent
+    stream = client.exec_stream(["sh", "-c", "head -c 20971520 /dev/zero; echo; echo still-here"], timeout=30,
+                                cwd="/")
+    got, tail, err = 0, b"", b""
+    try:
+        while True:
+            kind, payload = stream.recv()
+            if kind == b"O":
+                got += len(payload)
+                tail = (tail + payload)[-64:]
+            elif kind == b"R":
+                err += payload
+            elif kind in (b"X", b"F"):
+                break
+    finally:
+        stream.close()
+    assert got == (20 << 20) + len(b"\nstill-here\n") and tail.endswith(b"still-here\n")
+    assert b"truncated" not in err
+
+
 def test_output_of_a_few_mib_is_complete(agent):
     client, _, _ = agent
     r = client.exec(["sh", "-c", "seq 1 600000; seq 1 1000 >&2"], cwd="/")

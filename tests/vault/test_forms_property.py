@@ -34,7 +34,8 @@ from urllib.parse import quote
 from hypothesis import HealthCheck, assume, given, seed, settings
 from hypothesis import strategies as st
 
-from vault.forms import FAMILIES, decode_round, normalize, value_forms
+from vault.forms import (FAMILIES, MAX_ESCAPE_LEN, decode_round, decode_round_marked, normalize, starters,
+                         value_forms)
 from vault.scan import VIEWS, LeakFound, Needles, StreamLeakScanner, StreamScrubber, Unscrubbable
 
 _HUNT_SEED = os.environ.get("HYPOTHESIS_SEED")
@@ -294,3 +295,58 @@ def test_views_cover_every_order_of_single_families_and_all_at_once():
     assert orders | {(FAMILIES,), (FAMILIES,) * 2, (FAMILIES,) * 3} == set(VIEWS)
     assert all(path[:-1] in set(VIEWS) | {()} and VIEWS.index(path) > VIEWS.index(path[:-1])
                for path in VIEWS if len(path) > 1)
+
+
+# -- minimal hold ------------------------------------------------------------------------
+WHITESPACE = [b"\n", b"\n\n", b" ", b"\t", b"\r\n"]
+
+
+@st.composite
+def _piece(draw, forms: list[bytes]) -> bytes:
+    kind = draw(st.sampled_from(["atom", "atom", "neutral", "form-piece", "escaped-char"]))
+    if kind == "atom":
+        return draw(st.sampled_from(ATOMS)).encode()
+    if kind == "neutral":
+        return draw(neutral)
+    form = draw(st.sampled_from(forms))
+    lo = draw(st.integers(0, len(form)))
+    piece = form[lo:draw(st.integers(lo, len(form)))]
+    if kind == "escaped-char" and piece:
+        piece = draw(st.sampled_from([b"%%%02x" % piece[0], b"\\u%04x" % piece[0], b"&#%d;" % piece[0]]))
+    return piece
+
+
+@SETTINGS
+@given(st.data())
+def test_everything_fed_is_released_when_nothing_may_still_complete(data):
+    """Feeds that each end in whitespace: no needle holds whitespace, so in no view does a
+    needle prefix end there, no escape is cut short there, and no base64 string runs into
+    the end. Scanner and scrubber must then hold nothing back after any feed."""
+    value = data.draw(values)
+    forms = value_forms(value)
+    needles = Needles([("s", forms)])
+    assume(not any(c in needle for needle in needles._needles for c in b" \t\r\n"))
+    feeds = [b"".join(data.draw(st.lists(_piece(sorted(forms)), max_size=8))) + data.draw(st.sampled_from(WHITESPACE))
+             for _ in range(data.draw(st.integers(1, 8)))]
+    assume(not needles.find(b"".join(feeds)))
+    scanner, scrubber = StreamLeakScanner(needles), StreamScrubber(forms)
+    for feed in feeds:
+        assert scanner.feed(feed) == feed and scanner.held == 0
+        scrubber.feed(feed)
+        assert scrubber.held == 0
+    assert scanner.finish() == b"" and scrubber.finish() == b""
+
+
+@SETTINGS
+@given(st.lists(st.sampled_from(ATOMS + ["\\ud83d", "\\ude00", "&#x", "12345", "amp;", "lt"]), max_size=30),
+       st.sampled_from([FAMILIES, b"%", b"\\", b"&"]), st.data())
+def test_a_stream_round_stops_only_at_an_escape_more_bytes_could_change(atoms, families, data):
+    """decode_round_marked(stop=None) on a prefix decodes it as the whole buffer would and
+    leaves undecoded only an escape cut short: shorter than MAX_ESCAPE_LEN, at a starter."""
+    whole = "".join(atoms).encode()
+    prefix = whole[:data.draw(st.integers(0, len(whole)))]
+    out = decode_round_marked(prefix, None, families)
+    assert out.decoded + decode_round(whole[out.consumed:], families=families)[0] == \
+        decode_round(whole, families=families)[0]
+    rest = prefix[out.consumed:]
+    assert len(rest) < MAX_ESCAPE_LEN and (not rest or rest[:1] in starters(families))

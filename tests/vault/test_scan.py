@@ -270,3 +270,94 @@ def test_scrubber_refuses_what_it_cannot_replace(obfuscated):
 def test_scrubber_passes_clean_data_through():
     body = b"nothing secret here, just %41 and \\u0041 and &amp;" * 1000
     assert _stream(StreamScrubber(value_forms(KEY)), body, [10] * 5000) == body
+
+
+# -- what a stream holds back ------------------------------------------------------------
+def _sse(text: str) -> bytes:
+    chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk",
+             "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+SSE_EVENTS = [_sse(t) for t in ["Hello", " w\u00f6rld", " \"quoted\"", " 100%", " a&b", " &amp; %41 x\\/y",
+                                  " path/to/file", " line\nbreak", " caf\u00e9 \U0001f600", " sk", " done"]] + [
+    b"event: ping\ndata: {}\n\n", b": keep-alive\n\n", b"data: [DONE]\n\n"]
+
+
+@pytest.mark.parametrize("make", [lambda: StreamLeakScanner(_needles()), lambda: StreamScrubber(value_forms(KEY))],
+                         ids=["scanner", "scrubber"])
+def test_sse_events_are_released_as_they_are_fed(make):
+    stream = make()
+    for event in SSE_EVENTS:
+        assert stream.feed(event) == event
+        assert stream.held == 0
+    assert stream.finish() == b""
+
+
+@pytest.mark.parametrize("make", [lambda: StreamLeakScanner(_needles()), lambda: StreamScrubber(value_forms(KEY))],
+                         ids=["scanner", "scrubber"])
+def test_only_a_suffix_that_is_a_needle_prefix_is_held(make):
+    stream = make()
+    first = _sse(" the key is ")[:-2] + b" " + KEY[:9]            # an event cut right inside the key
+    assert stream.feed(first) == first[:-9] and stream.held == 9
+    assert stream.feed(b"x" + KEY[10:12] + b'"') == KEY[:9] + b"x" + KEY[10:12] + b'"'   # diverged: all goes
+    assert stream.held == 0
+    assert stream.feed(b"\n\n") == b"\n\n" and stream.finish() == b""
+
+
+def test_a_needle_prefix_completed_later_is_never_released():
+    scanner = StreamLeakScanner(_needles())
+    head = _sse("ok")
+    assert scanner.feed(head) == head
+    assert scanner.feed(b'data: {"k": "' + KEY[:5]) == b'data: {"k": "'
+    assert scanner.feed(KEY[5:12]) == b""
+    with pytest.raises(LeakFound):
+        scanner.feed(KEY[12:] + b'"}\n\n')
+
+
+def test_the_scrubber_replaces_a_key_split_across_events():
+    scrubber = StreamScrubber(value_forms(KEY))
+    out = scrubber.feed(_sse("a")) + scrubber.feed(b'data: {"k": "' + KEY[:11])
+    assert KEY[:11] not in out and out.endswith(b'data: {"k": "')
+    out += scrubber.feed(KEY[11:] + b'"}\n\n') + scrubber.finish()
+    assert out == _sse("a") + b'data: {"k": "' + REDACTED + b'"}\n\n'
+
+
+@pytest.mark.parametrize("tail, held", [
+    (b"%", 1), (b"%4", 2), (b"\\", 1), (b"\\u", 2), (b"\\u00", 4), (b"\\ud83d", 6), (b"\\ud83d\\ude0", 11),
+    (b"&", 1), (b"&#", 2), (b"&#5", 3), (b"&#12345", 7), (b"&#x4", 4), (b"&am", 3), (b"&amp", 4),
+    (b"%!", 0), (b"&#123456;", 0), (b"%20!", 0), (b"\\u0022;", 0), (b"&#59; ", 0),
+    # an escape at the very end: held until the next byte (it may pair with an escaped value byte)
+    (b"&#59;", 5), (b"&lt;", 4), (b"%20", 3), (b"\\u0022", 6),
+    # escapes whose decoding is an escape starter, or one cut short: open in the next round
+    (b"%25", 3), (b"&amp;", 5), (b"\\\\", 2), (b"%252", 4), (b"&#37;2", 6), (b"\\u00255", 7),
+    # decoding to a base64 character: held as the start of a possible base64 form
+    (b"\\u0041", 6), (b"&#51;", 5), (b"%G", 1),
+])
+def test_an_escape_cut_short_is_held_and_nothing_else(tail, held):
+    scanner = StreamLeakScanner(_needles())
+    data = b'data: {"t": " ' + tail
+    assert scanner.feed(data) == data[:len(data) - held] and scanner.held == held
+    rest = b' "}\n\n'
+    assert scanner.feed(rest) == data[len(data) - held:] + rest and scanner.held == 0
+
+
+def test_a_partial_occurrence_nested_three_deep_is_held_whole_and_within_the_bound():
+    def widest(text: bytes) -> bytes:
+        return b"".join(b"&#%05d;" % b for b in text)
+    spelled = widest(widest(widest(KEY[:20])))                          # 20 bytes of the key, 512 bytes each
+    scanner = StreamLeakScanner(_needles())
+    out = scanner.feed(b"." * 100 + b" " + spelled)
+    assert out == b"." * 100 + b" " and scanner.held == len(spelled) <= scanner.hold
+    with pytest.raises(LeakFound):
+        scanner.feed(widest(widest(widest(KEY[20:]))))
+
+
+def test_a_base64_string_is_held_from_its_start():
+    """An aligned base64 form begins a few characters into the string (after the encoding of
+    what precedes the value, e.g. 'user:'): the string's start is held with it."""
+    scanner = StreamLeakScanner(_needles())
+    token = base64.b64encode(b"user:" + KEY)
+    assert scanner.feed(b"Authorization: Basic " + token[:12]) == b"Authorization: Basic "
+    with pytest.raises(LeakFound):
+        scanner.feed(token[12:])

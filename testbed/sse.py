@@ -1,0 +1,211 @@
+"""A hostile, slow event-stream upstream for the lab: an LLM-style token stream that
+hands the injected key back inside its events.
+
+    python -m testbed.sse --bind 198.18.0.55 --cert c.pem --key k.pem --log /tmp/sse.jsonl
+
+Listens on :443 (TLS, HTTP/1.1) on --bind. One route:
+
+  GET /events/<marker>?n=20&gap=0.15&echo=5&split=8
+      200 text/event-stream, chunked: n events `gap` seconds apart, each written and
+      flushed on its own (as an LLM API streams tokens). Event `echo` carries the key
+      (whatever follows "Bearer " in Authorization: what the gateway injected) inside its
+      JSON; event `split` carries it cut in two writes `gap` apart. -1: none.
+
+Every request and every event written is appended to --log as one JSON line
+(``event`` request | sent, with the marker, the event index and time.time()), so a test
+can compare when an event left the upstream with when the sandbox got it. The key is
+logged as its SHA-256 only.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import signal
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+MAX_EVENTS = 1000
+MAX_GAP = 2.0
+HANDSHAKE_TIMEOUT = 10
+
+
+def event_bytes(index: int, text: str) -> bytes:
+    """One OpenAI-style chat.completion.chunk event."""
+    chunk = {"id": "chatcmpl-lab", "object": "chat.completion.chunk", "created": 1700000000, "model": "lab",
+             "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+    return f"id: {index}\ndata: {json.dumps(chunk)}\n\n".encode()
+
+
+def event_writes(n: int, echo: int, split: int, key: bytes) -> list[list[bytes]]:
+    """Per event, the writes it is sent in (the split event: two)."""
+    writes: list[list[bytes]] = []
+    for i in range(n):
+        text = f" token{i}"
+        if i in (echo, split):
+            text += " your key is " + key.decode("latin-1") + " ok"
+        data = event_bytes(i, text)
+        if i == split:
+            cut = data.index(key) + len(key) // 2
+            writes.append([data[:cut], data[cut:]])
+        else:
+            writes.append([data])
+    writes.append([b"data: [DONE]\n\n"])
+    return writes
+
+
+class Log:
+    def __init__(self, path: str) -> None:
+        self._f = open(path, "a", buffering=1)
+        self._lock = threading.Lock()
+
+    def write(self, event: str, **fields: object) -> None:
+        line = json.dumps({"event": event, "t": time.time(), **fields}, sort_keys=True)
+        with self._lock:
+            self._f.write(line + "\n")
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: "Server"
+
+    def log_message(self, fmt: str, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        url = urlsplit(self.path)
+        parts = url.path.strip("/").split("/")
+        if parts[0] != "events":
+            self.send_error(404)
+            return
+        marker = parts[1] if len(parts) > 1 else ""
+        q = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        n = max(1, min(int(q.get("n", "20")), MAX_EVENTS))
+        gap = max(0.0, min(float(q.get("gap", "0.15")), MAX_GAP))
+        auth = self.headers.get("Authorization", "")
+        key = (auth[7:] if auth.lower().startswith("bearer ") else auth).encode("latin-1", "replace")
+        self.server.log.write("request", marker=marker, key_sha256=hashlib.sha256(key).hexdigest())
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.wfile.flush()
+        writes = event_writes(n, int(q.get("echo", "5")), int(q.get("split", "8")), key)
+        for index, pieces in enumerate(writes):
+            if index:
+                time.sleep(gap)
+            for part, piece in enumerate(pieces):
+                if part:
+                    time.sleep(gap)
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                self.wfile.flush()
+                self.server.log.write("sent", marker=marker, index=index, part=part)
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+        self.close_connection = True
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], tls: ssl.SSLContext, log: Log) -> None:
+        self.tls_context = tls
+        self.log = log
+        super().__init__(address, Handler)
+
+    def finish_request(self, request, client_address) -> None:
+        request.settimeout(HANDSHAKE_TIMEOUT)
+        try:
+            request = self.tls_context.wrap_socket(request, server_side=True)
+        except (ssl.SSLError, OSError):
+            return
+        super().finish_request(request, client_address)
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError, ssl.SSLError)):
+            super().handle_error(request, client_address)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="cubegate lab: slow event-stream upstream")
+    parser.add_argument("--bind", required=True)
+    parser.add_argument("--https-port", type=int, default=443)
+    parser.add_argument("--cert", required=True)
+    parser.add_argument("--key", required=True)
+    parser.add_argument("--log", required=True)
+    args = parser.parse_args(argv)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(args.cert, args.key)
+    ctx.set_alpn_protocols(["http/1.1"])
+    server = Server((args.bind, args.https_port), ctx, Log(args.log))
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    print(f"READY sse {args.bind}:{args.https_port}", flush=True)
+    while not stop.wait(0.2):
+        pass
+    server.server_close()
+    return 0
+
+
+# ------------------------------------------------------------------------- lab wiring
+class SseUpstream:
+    """The event-stream upstream running in a lab's net namespace, and its log."""
+
+    def __init__(self, name: str, ip: str, log_path: Path, popen: subprocess.Popen) -> None:
+        self.name, self.ip, self.log_path, self.popen = name, ip, log_path, popen
+
+    def entries(self, marker: str) -> list[dict]:
+        out = []
+        for line in self.log_path.read_text().splitlines() if self.log_path.exists() else []:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue          # a line being written right now
+            if entry.get("marker") == marker:
+                out.append(entry)
+        return out
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+
+
+def start_sse(lab, name: str, ip: str) -> SseUpstream:
+    """Start it in the lab's net namespace under `name` (lab DNS, cert from the lab CA)."""
+    lab.add_host(name, ip)
+    cert, key = lab.ca.issue([name], [ip], stem="sse-" + name.split(".")[0])
+    log_path = Path(lab.workdir) / f"sse-{ip}.jsonl"
+    argv = [sys.executable, "-m", "testbed.sse", "--bind", ip, "--cert", str(cert), "--key", str(key),
+            "--log", str(log_path)]
+    popen = lab.spawn_net(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+    upstream = SseUpstream(name, ip, log_path, popen)
+    deadline = time.monotonic() + 10
+    line = ""
+    while time.monotonic() < deadline:
+        line = popen.stdout.readline()
+        if line.startswith("READY") or not line:
+            break
+    if not line.startswith("READY"):
+        upstream.stop()
+        raise RuntimeError(f"sse upstream did not start: {line!r}")
+    threading.Thread(target=lambda: [None for _ in popen.stdout], daemon=True).start()  # keep the pipe drained
+    return upstream
+
+
+if __name__ == "__main__":
+    sys.exit(main())
