@@ -48,7 +48,7 @@ from .forms import (ESCAPE_ROUNDS, FAMILIES, MAX_ESCAPE_LEN, MIN_FORM_LEN, REDAC
 
 MAX_NEEDLE_LEN = 256      # longer forms are matched by their first 256 bytes (bounds the window)
 B64_LEAD = 8              # base64 characters held before a possible occurrence (see _Prefixes.lead)
-_MAX_SPANS = 64           # escapes a stream round maps exactly (older ones: merged into one span)
+_MAX_SPANS = 16           # escapes a stream round maps exactly (older ones: merged into one span)
 _GAP = 256                # windows closer than this are scanned as one (fewer calls, few more bytes)
 _SLICE = 256 * 1024       # work on at most this much at once: bounds the match lists
 
