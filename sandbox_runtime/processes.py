@@ -24,6 +24,28 @@ log = logging.getLogger("cubegate.processes")
 REPLAY_BYTES = 1 << 20      # output kept per process for later readers
 KEEP_EXITED = 32            # ended processes remembered per sandbox (Connect after the end)
 MAX_RUNNING = 64            # per sandbox
+# Daemon-wide: replay kept by all processes together; past it, a process that writes keeps
+# only its newest REPLAY_FLOOR bytes. So at most MAX_TOTAL_REPLAY + MAX_PROCESSES x REPLAY_FLOOR.
+MAX_TOTAL_REPLAY = 256 << 20
+REPLAY_FLOOR = 64 << 10
+MAX_PROCESSES = 2048        # running + remembered, all sandboxes (the oldest ended ones go first)
+
+
+class ReplayBudget:
+    """Bytes of replay held by every process of one table (thread-safe counter)."""
+
+    def __init__(self, total: int = MAX_TOTAL_REPLAY):
+        self.total, self.used = total, 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> bool:
+        """Account n more bytes; True when the table is over its total now."""
+        with self._lock:
+            self.used += n
+            return self.used > self.total
+
+    def over(self) -> bool:
+        return self.used > self.total
 
 
 class ProcessError(RuntimeError):
@@ -60,8 +82,10 @@ Listener = Callable[[str, object], None]
 
 
 class Process:
-    def __init__(self, pid: int, stream: ExecStream | None, config: dict, tag: str | None):
+    def __init__(self, pid: int, stream: ExecStream | None, config: dict, tag: str | None,
+                 budget: ReplayBudget | None = None):
         self.pid, self.config, self.tag = pid, config, tag
+        self._budget = budget or ReplayBudget()
         self._stream = stream
         self._lock = threading.Lock()
         self._events: collections.deque[tuple[str, bytes]] = collections.deque()
@@ -93,10 +117,21 @@ class Process:
         with self._lock:
             self._events.append((kind, data))
             self._bytes += len(data)
-            while self._bytes > REPLAY_BYTES and len(self._events) > 1:
+            over = self._budget.add(len(data))
+            keep = REPLAY_FLOOR if over else REPLAY_BYTES
+            freed = 0
+            while self._bytes > keep and len(self._events) > 1:
                 _, old = self._events.popleft()
                 self._bytes -= len(old)
+                freed += len(old)
                 self._dropped = True
+            if over and self._bytes > keep:     # one large event: its newest bytes only
+                k, whole = self._events[0]
+                self._events[0] = (k, whole[-keep:])
+                freed += len(whole) - keep
+                self._bytes = keep
+                self._dropped = True
+            self._budget.add(-freed)
             listeners = list(self._listeners)
         for fn in listeners:
             fn(kind, data)
@@ -143,6 +178,14 @@ class Process:
         if self._stream is not None:
             self._stream.close_stdin()
 
+    def release(self) -> None:
+        """The table forgot this process: its replay goes (readers still attached get live events)."""
+        with self._lock:
+            freed, self._bytes = self._bytes, 0
+            self._events.clear()
+            self._dropped = True
+        self._budget.add(-freed)
+
     def kill_stream(self) -> None:
         """Drop the agent connection: the agent kills the command's group."""
         if self._stream is not None:
@@ -150,9 +193,24 @@ class Process:
 
 
 class ProcessTable:
-    def __init__(self) -> None:
+    def __init__(self, *, max_total_replay: int = MAX_TOTAL_REPLAY, max_processes: int = MAX_PROCESSES) -> None:
         self._lock = threading.Lock()
         self._by_sandbox: dict[str, dict[int, Process]] = {}
+        self.budget = ReplayBudget(max_total_replay)
+        self.max_processes = max_processes
+
+    def _count(self) -> int:
+        return sum(len(t) for t in self._by_sandbox.values())
+
+    def _make_room(self) -> None:
+        """Under self._lock: forget ended processes (oldest first, any sandbox) until one more fits."""
+        if self._count() < self.max_processes:
+            return
+        ended = [(sid, pid) for sid, t in self._by_sandbox.items() for pid, p in t.items() if p.exit is not None]
+        for sid, pid in ended[: self._count() - self.max_processes + 1]:
+            self._by_sandbox[sid].pop(pid).release()
+        if self._count() >= self.max_processes:
+            raise ProcessError(f"the daemon runs {self.max_processes} commands already")
 
     def start(self, sandbox_id: str, open_stream: Callable[[], ExecStream], config: dict, *,
               tag: str | None = None, stdin: bool = False) -> Process:
@@ -161,20 +219,23 @@ class ProcessTable:
             running = [p for p in self._by_sandbox.get(sandbox_id, {}).values() if p.exit is None]
             if len(running) >= MAX_RUNNING:
                 raise ProcessError(f"sandbox runs {MAX_RUNNING} commands already")
+            self._make_room()
         stream = open_stream()
         if not stdin:
             stream.close_stdin()
-        proc = Process(stream.pid, stream, config, tag)
+        proc = Process(stream.pid, stream, config, tag, self.budget)
         with self._lock:
             table = self._by_sandbox.setdefault(sandbox_id, {})
-            table[proc.pid] = proc      # a reused pid replaces an ended process
+            self._put(table, proc)      # a reused pid replaces an ended process
             self._trim(table)
         threading.Thread(target=proc.run_reader, name=f"proc-{sandbox_id[:12]}-{proc.pid}", daemon=True).start()
         return proc
 
     def add_finished(self, sandbox_id: str, pid: int, config: dict, out: bytes, err: bytes, ex: Exit) -> Process:
         """A command run without a stream (a serial agent): its whole output at once."""
-        proc = Process(pid, None, config, None)
+        with self._lock:
+            self._make_room()
+        proc = Process(pid, None, config, None, self.budget)
         if out:
             proc._emit("stdout", out)
         if err:
@@ -182,15 +243,22 @@ class ProcessTable:
         proc._finish(ex)
         with self._lock:
             table = self._by_sandbox.setdefault(sandbox_id, {})
-            table[pid] = proc
+            self._put(table, proc)
             self._trim(table)
         return proc
+
+    @staticmethod
+    def _put(table: dict[int, Process], proc: Process) -> None:
+        old = table.get(proc.pid)
+        table[proc.pid] = proc
+        if old is not None and old is not proc:
+            old.release()
 
     @staticmethod
     def _trim(table: dict[int, Process]) -> None:
         ended = [pid for pid, p in table.items() if p.exit is not None]
         for pid in ended[:max(0, len(ended) - KEEP_EXITED)]:
-            del table[pid]
+            table.pop(pid).release()
 
     def get(self, sandbox_id: str, pid: int | None = None, tag: str | None = None) -> Process:
         with self._lock:
@@ -212,3 +280,4 @@ class ProcessTable:
             table = self._by_sandbox.pop(sandbox_id, {})
         for p in table.values():
             p.kill_stream()
+            p.release()

@@ -17,7 +17,6 @@ Every string of a create body is checked for real secret values before it is val
 """
 from __future__ import annotations
 
-import asyncio
 import urllib.parse
 
 import httpkit
@@ -35,9 +34,9 @@ STATES = {"running", "paused"}
 class ControlBase(JsonHandler):
     realm = "e2b"
 
-    def initialize(self, core, tokens, pool, tenants: dict, default_tenant: str, audit_hook=None, **_) -> None:
+    def initialize(self, core, tokens, lanes, tenants: dict, default_tenant: str, audit_hook=None, **_) -> None:
         super().initialize(audit_hook)
-        self.core, self.tokens, self.pool = core, tokens, pool
+        self.core, self.tokens, self.lanes = core, tokens, lanes
         self.tenants, self.default_tenant = tenants, default_tenant
         self.tenant: str | None = None
         self.secret_refused = False
@@ -65,7 +64,8 @@ class ControlBase(JsonHandler):
         await self.run(self.core.manager.refuse_real_secrets, "e2b-request", texts, tenant=self.tenant)
 
     async def run(self, fn, *args, **kw):
-        return await asyncio.get_running_loop().run_in_executor(self.pool, lambda: fn(*args, **kw))
+        """In the control plane's own pool, at most CONTROL_LIMITS["tenant"] calls per tenant."""
+        return await self.lanes.run([("tenant", self.tenant or "-")], lambda: fn(*args, **kw))
 
     def _handle_request_exception(self, e: BaseException) -> None:
         self.secret_refused = isinstance(e, SecretRefused)

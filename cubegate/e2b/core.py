@@ -21,6 +21,7 @@ from sandbox_runtime.processes import NoSuchProcess, ProcessError, ProcessTable
 from . import kernel as kern
 from . import templates as tpl
 from .connect import ConnectError
+from .lanes import Gone, LaneFull
 from .registry import E2bSandbox, Registry, expired, rfc3339
 
 log = logging.getLogger("cubegate.e2b")
@@ -82,7 +83,7 @@ class E2bError(Exception):
 def control_error(e: BaseException) -> E2bError | None:
     """A runtime error as the control plane answers it (None: unexpected)."""
     for types, status in (((NotFound,), 404), ((Conflict,), 409), ((SecretRefused, InvalidRequest), 400),
-                          ((CapacityError,), 429), ((NotSupported,), 501), ((Unavailable,), 503),
+                          ((CapacityError, LaneFull), 429), ((Gone,), 499), ((NotSupported,), 501), ((Unavailable,), 503),
                           ((SandboxError,), 500)):
         if isinstance(e, types):
             return E2bError(status, str(e))
@@ -92,6 +93,10 @@ def control_error(e: BaseException) -> E2bError | None:
 def envd_error(e: BaseException) -> ConnectError | None:
     if isinstance(e, ConnectError):
         return e
+    if isinstance(e, LaneFull):
+        return ConnectError("resource_exhausted", str(e))
+    if isinstance(e, (Gone, kern.Cancelled)):
+        return ConnectError("canceled", str(e))
     if isinstance(e, NoSuchProcess):
         return ConnectError("not_found", str(e))
     if isinstance(e, ProcessError):
@@ -266,8 +271,10 @@ class E2bCore:
         record (envd token), processes, kernel and samples go at once — a reused id inherits none."""
         self.processes.drop_sandbox(sandbox_id)
         with self._lock:
-            self._kernels.pop(sandbox_id, None)
+            session = self._kernels.pop(sandbox_id, None)
             self._cpu_samples.pop(sandbox_id, None)
+        if session is not None:
+            session.close()
         self.registry.delete(sandbox_id)
 
     def set_timeout(self, tenant: str, sandbox_id: str, timeout) -> None:
@@ -459,10 +466,16 @@ class E2bCore:
         self.manager.agent_call(sandbox_id, lambda c: c.write_file(kern.KERNEL_PATH, kern.KERNEL_SOURCE.encode()))
         proc = self.start_process(sandbox_id, {"cmd": "python3", "args": ["-u", kern.KERNEL_PATH, marker],
                                                "cwd": HOME}, stdin=True, tag=kern.KERNEL_TAG)
+        def interrupt():   # SIGINT: the kernel ends the cell it runs (and ignores it between cells)
+            try:
+                self.manager.agent_call(sandbox_id, lambda c: c.signal(proc.pid, 2))
+            except Exception as e:  # noqa: BLE001 - gone already; the next cell says so
+                log.info("e2b: interrupting the kernel of %s failed: %s", sandbox_id, type(e).__name__)
         with self._lock:
-            self._kernels[sandbox_id] = kern.KernelSession(proc, marker)
+            self._kernels[sandbox_id] = kern.KernelSession(proc, marker, interrupt)
 
-    def execute(self, sandbox_id: str, code: str, env: dict, emit, timeout: float | None) -> None:
+    def execute(self, sandbox_id: str, code: str, env: dict, emit, timeout: float | None,
+                cancel: threading.Event | None = None) -> None:
         rec = self.running_record(sandbox_id)
         with self._lock:
             session = self._kernels.get(sandbox_id)
@@ -473,7 +486,12 @@ class E2bCore:
         self.manager.agent_call(sandbox_id, lambda c: None, texts=[code, *(x for kv in env.items() for x in kv)])
         # never longer than the sandbox lives (a stuck cell must not hold a thread forever)
         limit = max(1.0, rec.end_at - time.time())
-        session.execute(code, env, emit, limit if timeout is None else min(timeout, limit))
+        try:
+            session.execute(code, env, emit, limit if timeout is None else min(timeout, limit), cancel)
+        except kern.KernelBusy as e:
+            raise E2bError(409, str(e)) from None
+        except kern.OutputLimit:
+            pass          # the cell answered its error item; the kernel lives on for the next one
 
 
 def _key(token: str) -> tuple[float, str]:

@@ -21,6 +21,7 @@ import binascii
 import json
 import logging
 import re
+import threading
 import time
 
 import tornado.web
@@ -65,17 +66,23 @@ class SandboxHandler(tornado.web.RequestHandler):
     """Resolves and authorizes the sandbox; plain-HTTP errors as `{"code", "message"}`."""
     port = ENVD_PORT
 
-    def initialize(self, core, pool, domain: str | None = None, **_) -> None:
-        self.core, self.pool, self.domain = core, pool, domain
+    def initialize(self, core, lanes, domain: str | None = None, **_) -> None:
+        self.core, self.lanes, self.domain = core, lanes, domain
         self.sandbox_id: str | None = None
+        self.tenant: str | None = None
         self.gone = False
+        self.closed = asyncio.Event()     # the client went away: waits for a slot end
+        self.cancel = threading.Event()   # ... and so does a cell waiting in a worker thread
 
     def set_default_headers(self) -> None:
         self.set_header("Cache-Control", "no-store")
         self.clear_header("Server")
 
     async def run(self, fn, *args, **kw):
-        return await asyncio.get_running_loop().run_in_executor(self.pool, lambda: fn(*args, **kw))
+        """In the envd pool, at most ENVD_LIMITS calls per sandbox and per tenant (a sandbox
+        whose code makes calls last cannot hold the workers every other sandbox needs)."""
+        keys = [("sandbox", self.sandbox_id or "-"), ("tenant", self.tenant or "-")]
+        return await self.lanes.run(keys, lambda: fn(*args, **kw), gone=self.closed)
 
     def resolve(self) -> str:
         t = target_of(self.request.headers, self.domain)
@@ -89,7 +96,7 @@ class SandboxHandler(tornado.web.RequestHandler):
             raise E2bError(502, f"The sandbox {sid} was not found")
         if not rec.token_ok(self.request.headers.get("X-Access-Token")):
             raise E2bError(401, "missing or wrong X-Access-Token for this sandbox")
-        self.sandbox_id = sid
+        self.sandbox_id, self.tenant = sid, rec.tenant
         return sid
 
     def plain_error(self, status: int, message: str) -> None:
@@ -103,6 +110,8 @@ class SandboxHandler(tornado.web.RequestHandler):
 
     def on_connection_close(self) -> None:
         self.gone = True
+        self.closed.set()
+        self.cancel.set()
 
     def log_exception(self, typ, value, tb) -> None:   # never a request's data in a log line
         log.error("e2b envd: internal error %s in %s", typ.__name__ if typ else "?", type(self).__name__)
@@ -392,7 +401,7 @@ class Execute(SandboxHandler):
             item.setdefault("timestamp", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        task = loop.run_in_executor(self.pool, lambda: self.core.execute(sid, code, env, emit, None))
+        task = asyncio.ensure_future(self.run(self.core.execute, sid, code, env, emit, None, self.cancel))
         self.set_header("Content-Type", "application/x-ndjson")
         started = False
         try:

@@ -15,6 +15,7 @@ from sandbox_runtime.manager import SANDBOX_ID_RE
 
 from . import control, envd, templates
 from .core import E2bCore
+from .lanes import Lanes
 from .registry import Registry
 
 log = logging.getLogger("cubegate.e2b")
@@ -27,9 +28,18 @@ PARAMS = {"id": PathParam(SANDBOX_ID_RE.pattern.strip("^$"), {"type": "string", 
           "method": PathParam(r"\w+", {"type": "string"})}
 
 
+ENVD_WORKERS, CONTROL_WORKERS = 64, 16
+ENVD_LIMITS = {"sandbox": 8, "tenant": 48}    # one sandbox, one tenant: never the whole envd pool
+CONTROL_LIMITS = {"tenant": 12}
+
+
 class E2bService:
-    def __init__(self, core: E2bCore, server: httpkit.Server, pool: ThreadPoolExecutor):
-        self.core, self.server, self.pool = core, server, pool
+    """Three pools: envd calls (sandbox code can make them last: bounded per sandbox and
+    per tenant), the control plane (its own, per tenant), the reaper (its own thread)."""
+
+    def __init__(self, core: E2bCore, server: httpkit.Server, pools: list[ThreadPoolExecutor],
+                 reaper_pool: ThreadPoolExecutor):
+        self.core, self.server, self.pools, self.reaper_pool = core, server, pools, reaper_pool
 
     @property
     def port(self) -> int:
@@ -38,26 +48,28 @@ class E2bService:
     async def reaper(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            gone = await loop.run_in_executor(self.pool, self.core.reap_expired)
+            gone = await loop.run_in_executor(self.reaper_pool, self.core.reap_expired)
             for sid in gone:
                 log.info("e2b: sandbox %s reached its end time: killed", sid)
             await asyncio.sleep(REAP_EVERY_S)
 
     def stop(self) -> None:
         self.server.stop()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (*self.pools, self.reaper_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
-def make_app(core: E2bCore, tokens, pool, *, tenants: dict, default_tenant: str, domain: str | None,
-             audit_hook=None):
-    kw = {"core": core, "tokens": tokens, "pool": pool, "tenants": tenants, "default_tenant": default_tenant,
-          "domain": domain, "audit_hook": audit_hook}
+def make_app(core: E2bCore, tokens, control_lanes: Lanes, envd_lanes: Lanes, *, tenants: dict,
+             default_tenant: str, domain: str | None, audit_hook=None):
+    kw = {"core": core, "tokens": tokens, "lanes": control_lanes, "tenants": tenants,
+          "default_tenant": default_tenant, "domain": domain, "audit_hook": audit_hook}
     routes = [*control.ROUTES, ("/openapi.json", httpkit.openapi_handler(control.ControlBase, public=True))]
     app = httpkit.make_app(routes, base=control.ControlBase, kwargs=kw, params=PARAMS,
                            title="cubegate E2B-compatible API (control plane)", public_not_found=True,
                            log_name="cubegate.e2b")
     # envd speaks Connect, not JSON-API: its routes are served beside the document, not in it
-    app.wildcard_router.add_rules([(httpkit.rule_regex(p, PARAMS), h, kw) for p, h in ENVD_ROUTES])
+    app.wildcard_router.add_rules([(httpkit.rule_regex(p, PARAMS), h, {**kw, "lanes": envd_lanes})
+                                   for p, h in ENVD_ROUTES])
     return app
 
 
@@ -75,13 +87,16 @@ async def start_for(daemon, runtime) -> E2bService | None:
     on_forget = getattr(runtime.manager.hooks, "on_forget", None)
     if on_forget is not None:
         on_forget(core.forget_sandbox)
-    pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="e2b")
+    envd_pool = ThreadPoolExecutor(max_workers=ENVD_WORKERS, thread_name_prefix="e2b-envd")
+    control_pool = ThreadPoolExecutor(max_workers=CONTROL_WORKERS, thread_name_prefix="e2b-control")
+    reaper_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="e2b-reaper")
     tokens = TokenCheck(token_file, daemon.vault.tokens if daemon.vault is not None else None)
-    app = make_app(core, tokens, pool, tenants=dict(e.token_tenants), default_tenant=e.tenant, domain=e.domain,
+    app = make_app(core, tokens, Lanes(control_pool, CONTROL_LIMITS), Lanes(envd_pool, ENVD_LIMITS),
+                   tenants=dict(e.token_tenants), default_tenant=e.tenant, domain=e.domain,
                    audit_hook=daemon._admin_audit)
     server = httpkit.serve(app, max_body=e.max_upload_mb << 20, host="127.0.0.1", port=e.port, what="the E2B API")
     log.info("e2b: API on 127.0.0.1:%d (tenant %s), templates %s", server.port, e.tenant, ", ".join(core.templates))
-    svc = E2bService(core, server, pool)
+    svc = E2bService(core, server, [envd_pool, control_pool], reaper_pool)
     daemon.supervisor.start("e2b-reaper", svc.reaper())
     return svc
 

@@ -103,7 +103,7 @@ def lifecycle(out: dict) -> None:
     out["running_after_kill"] = sbx.is_running()
     out["connect_killed"] = _exc(lambda: Sandbox.connect(sbx.sandbox_id))
     out["unknown_template"] = _exc(lambda: Sandbox.create(template="no-such-template"))
-    out["network_opt"] = _exc(lambda: Sandbox.create(allow_internet_access=False))
+    out["network_opt"] = _exc(lambda: Sandbox.create(network={"dns_servers": ["1.1.1.1"]}))
 
 
 def code(out: dict) -> None:
@@ -140,6 +140,28 @@ def network(out: dict, ca_pem_path: str) -> None:
         out["sid"] = sbx.sandbox_id
     finally:
         sbx.kill()
+
+
+def network_opts(out: dict, ca_pem_path: str) -> None:
+    """E2B network options narrow what the tenant's policy allows, never widen it."""
+    from e2b import ALL_TRAFFIC, Sandbox
+    curl = "curl -s -o /dev/null -w '%{http_code}' --max-time 8 --cacert /home/user/ca.pem "
+    cases = {"only_api": dict(network={"allow_out": ["api.allowed.test", "evil.test"], "deny_out": [ALL_TRAFFIC]}),
+             "deny_echo": dict(network={"deny_out": ["echo.allowed.test"]}),
+             "no_internet": dict(allow_internet_access=False)}
+    for name, kw in cases.items():
+        sbx = Sandbox.create(timeout=120, **kw)
+        try:
+            sbx.files.write("/home/user/ca.pem", open(ca_pem_path).read())
+            got = {}
+            for host in ("api.allowed.test", "echo.allowed.test", "evil.test"):
+                r = sbx.commands.run(curl + f"https://{host}/e2b-{name}; true", timeout=30)
+                got[host] = r.stdout
+            out[name] = got
+        except Exception as e:  # noqa: BLE001 - a denied curl exits non-zero: that is an observation too
+            out[name] = {"error": type(e).__name__, "stdout": getattr(e, "stdout", None)}
+        finally:
+            sbx.kill()
 
 
 def secrets(out: dict, secret: str) -> None:

@@ -86,7 +86,7 @@ def test_control_plane_commands_and_files(e2b, lab):
     assert out["kill"] == [True, True, False] and out["running_after_kill"] is False
     assert out["connect_killed"]["type"] == "SandboxNotFoundException"
     assert out["unknown_template"]["type"] == "NotFoundException" or "not found" in out["unknown_template"]["message"]
-    assert "allow_internet_access" in out["network_opt"]["message"]
+    assert "dns" in out["network_opt"]["message"].lower()    # network options cubegate cannot honour: refused
 
 
 def test_run_code_keeps_state_and_reports_errors(e2b, lab):
@@ -109,6 +109,24 @@ def test_egress_policy_and_credentials_from_inside_an_e2b_sandbox(e2b, lab):
     rec = e2b.wait_record(lambda x: x["event"] == "request" and x.get("path") == "/e2b-inject")
     assert rec["sandbox"] == out["sid"] and rec["extra"]["secret"] == "openai"
     assert SECRET not in json.dumps(out) and SECRET not in e2b.log()
+
+
+def test_e2b_network_options_narrow_the_tenant_policy(e2b, lab):
+    """allowOut/denyOut and allow_internet_access map onto the per-sandbox network options
+    (attack pass 2): the tenant's policy allows api. and echo.allowed.test, never evil.test."""
+    out = drive(lab, e2b, "network_opts", str(e2b.sandbox_ca))
+
+    def code(case, host):
+        got = out[case]
+        assert "error" not in got, (case, got)
+        return got[host]
+    assert code("only_api", "api.allowed.test") == "200"
+    assert code("only_api", "echo.allowed.test") != "200" and code("only_api", "evil.test") != "200"
+    assert code("deny_echo", "api.allowed.test") == "200" and code("deny_echo", "echo.allowed.test") != "200"
+    assert all(code("no_internet", h) != "200" for h in ("api.allowed.test", "echo.allowed.test", "evil.test"))
+    rec = e2b.wait_record(lambda x: x.get("host") == "echo.allowed.test" and x.get("decision") == "deny")
+    # the sandbox resolver already refuses the name (the narrowing applies to DNS too), else the gate
+    assert rec["reason"] == "dns_not_allowed" or rec["reason"].startswith("sandbox_network"), rec
 
 
 def test_real_secret_values_are_refused_everywhere(e2b, lab):

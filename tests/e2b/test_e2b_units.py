@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 import struct
 
 import pytest
@@ -176,3 +177,164 @@ def test_resume_checks_ownership_before_state(tmp_path):
         core.resume("acme", "a-running", None)
     assert e.value.status == 409
     state.close()
+
+
+# ---------------------------------------------------------------- daemon-wide bounds (attack pass 2)
+
+def test_the_process_table_holds_bounded_replay_across_all_sandboxes():
+    t = pt.ProcessTable(max_total_replay=4 << 20, max_processes=64)
+    chunk = b"y" * (256 << 10)
+    for sb in range(12):                        # 12 sandboxes x 1 MiB each: 3x the daemon-wide budget
+        for pid in range(2):
+            p = t.add_finished(f"sb{sb}", pid + 2, {}, b"", b"", pt.Exit(0, "exit status 0"))
+            for _ in range(2):
+                p._emit("stdout", chunk)
+    held = sum(p._bytes for table in t._by_sandbox.values() for p in table.values())
+    assert held == t.budget.used
+    assert held <= (4 << 20) + 24 * pt.REPLAY_FLOOR + len(chunk)
+    t.drop_sandbox("sb0")
+    assert t.budget.used == sum(p._bytes for table in t._by_sandbox.values() for p in table.values())
+
+
+def test_the_process_table_forgets_the_oldest_ended_processes_past_its_daemon_wide_count():
+    t = pt.ProcessTable(max_processes=10)
+    for sb in range(4):
+        for pid in range(3):
+            t.add_finished(f"sb{sb}", pid + 2, {}, b"out", b"", pt.Exit(0, "exit status 0"))
+    assert sum(len(x) for x in t._by_sandbox.values()) == 10
+    assert t.budget.used == 10 * 3
+    with pytest.raises(pt.NoSuchProcess):
+        t.get("sb0", pid=2)                    # the oldest went first
+    assert t.get("sb3", pid=4).exit is not None
+
+
+def test_lanes_bound_calls_per_key_and_stop_waiting_for_a_gone_client():
+    import asyncio
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from cubegate.e2b.lanes import Gone, LaneFull, Lanes
+
+    async def scenario():
+        pool = ThreadPoolExecutor(8)
+        lanes = Lanes(pool, {"sandbox": 2, "tenant": 6}, max_waiting=3, max_wait=5)
+        release = threading.Event()
+        stuck = [asyncio.ensure_future(lanes.run([("sandbox", "a"), ("tenant", "t")], release.wait))
+                 for _ in range(5)]           # 2 run, 3 wait (no thread held)
+        await asyncio.sleep(0.2)
+        assert lanes.in_flight("sandbox", "a") == 5
+        with pytest.raises(LaneFull):         # waiting room full: answered at once
+            await lanes.run([("sandbox", "a"), ("tenant", "t")], lambda: 1)
+        # another sandbox of the same tenant is not held up by the stuck one
+        assert await asyncio.wait_for(lanes.run([("sandbox", "b"), ("tenant", "t")], lambda: "b"), 2) == "b"
+        gone = asyncio.Event()
+        waiter = asyncio.ensure_future(lanes.run([("sandbox", "c"), ("tenant", "t")], lambda: 1, gone=gone))
+        await asyncio.sleep(0.1)   # sandbox c is free, tenant t has 2 of 6 slots used: it ran
+        assert waiter.done()
+        release.set()
+        await asyncio.gather(*stuck)
+        # a client that goes away while its call waits for a slot
+        hold = threading.Event()
+        first = [asyncio.ensure_future(lanes.run([("sandbox", "d"), ("tenant", "t")], hold.wait)) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        gone2 = asyncio.Event()
+        late = asyncio.ensure_future(lanes.run([("sandbox", "d"), ("tenant", "t")], lambda: 1, gone=gone2))
+        await asyncio.sleep(0.1)
+        gone2.set()
+        with pytest.raises(Gone):
+            await asyncio.wait_for(late, 2)
+        hold.set()
+        await asyncio.gather(*first)
+        assert lanes._lanes == {}               # idle lanes are dropped
+        pool.shutdown()
+    asyncio.run(scenario())
+
+
+class _FakeKernelProcess:
+    """A Process whose 'kernel' is this test: lines in, a request list out (the real kernel
+    runs in the lab tests; here the routing of its lines is what is checked)."""
+
+    def __init__(self):
+        self.sent, self.fn = [], None
+
+    def subscribe(self, fn):
+        self.fn = fn
+        return [], lambda: None
+
+    def send_stdin(self, data):
+        self.sent.append(data)
+
+
+def test_a_cell_given_up_on_is_interrupted_and_its_late_output_never_reaches_the_next_cell():
+    import threading
+    from cubegate.e2b import kernel as kern
+    proc, interrupts = _FakeKernelProcess(), []
+    s = kern.KernelSession(proc, "\x1eM:", interrupt=lambda: interrupts.append(1))
+
+    def line(doc):
+        proc.fn("stdout", ("\x1eM:" + json.dumps(doc) + "\n").encode())
+    with pytest.raises(TimeoutError):
+        s.execute("while True: pass", {}, lambda i: None, 0.3)
+    assert interrupts == [1]
+    got = []
+    t = threading.Thread(target=lambda: s.execute("40 + 2", {}, got.append, 5))
+    t.start()
+    time.sleep(0.3)
+    assert len(proc.sent) == 1           # the second cell waits until the first one ended
+    line({"type": "stdout", "text": "late output of cell 1\n"})
+    line({"type": "done", "execution_count": 1})
+    deadline = time.monotonic() + 3
+    while len(proc.sent) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    line({"type": "result", "text": "42"})
+    line({"type": "done", "execution_count": 2})
+    t.join(5)
+    assert [i["type"] for i in got] == ["result", "number_of_executions"] and got[0]["text"] == "42"
+
+
+def test_a_cell_over_its_output_bound_answers_an_error(monkeypatch):
+    import threading
+    from cubegate.e2b import kernel as kern
+    monkeypatch.setattr(kern, "MAX_CELL_OUTPUT", 1000)
+    proc, interrupts = _FakeKernelProcess(), []
+    s = kern.KernelSession(proc, "\x1eM:", interrupt=lambda: interrupts.append(1))
+    got = []
+    t = threading.Thread(target=lambda: pytest.raises(kern.OutputLimit, s.execute, "spam", {}, got.append, 5))
+    t.start()
+    time.sleep(0.2)
+    for _ in range(5):
+        proc.fn("stdout", b"x" * 300 + b"\n")        # raw output (a subprocess on fd 1) counts too
+    t.join(5)
+    assert not t.is_alive() and interrupts == [1]
+    assert got[-1]["type"] == "error" and got[-1]["name"] == "OutputLimitExceeded"
+    assert sum(len(i.get("text", "")) for i in got if i["type"] == "stdout") <= 1000
+    # an endless line without a newline is passed on in bounded pieces, never buffered whole
+    monkeypatch.setattr(kern, "MAX_LINE", 100)
+    proc.fn("stdout", b"z" * 450)
+    assert len(s._buf) <= 100
+
+
+def test_a_cell_stops_waiting_for_the_kernel_when_its_client_goes():
+    import threading
+    from cubegate.e2b import kernel as kern
+    proc = _FakeKernelProcess()
+    s = kern.KernelSession(proc, "\x1eM:")
+    first_cancel, second_cancel = threading.Event(), threading.Event()
+    errors = []
+
+    def run(cancel):
+        try:
+            s.execute("x", {}, lambda i: None, 30, cancel)
+        except Exception as e:  # noqa: BLE001
+            errors.append(type(e).__name__)
+    a = threading.Thread(target=run, args=(first_cancel,))
+    a.start()
+    time.sleep(0.2)
+    b = threading.Thread(target=run, args=(second_cancel,))   # waits on the kernel's lock
+    b.start()
+    time.sleep(0.2)
+    second_cancel.set()
+    b.join(2)
+    assert not b.is_alive() and errors == ["Cancelled"]
+    first_cancel.set()
+    a.join(2)
+    assert not a.is_alive() and errors == ["Cancelled", "Cancelled"]
