@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import inspect
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mitmproxy import connection, ctx, http, tls
@@ -163,8 +165,7 @@ class PolicyGate:
         self.body_limits = body_limits or BodyLimits()
         self.buffer_budget = BufferBudget(self.body_limits.max_buffered_bytes_per_sandbox)
         self.claims = ConnectionClaims(max_connections_per_sandbox)   # shared with the fast path
-        self._upstream_per_sandbox: dict[str, set[str]] = {}   # sandbox -> open upstream connection ids
-        self._upstream_owner: dict[str, str] = {}
+        self._upstream_tokens: dict[str, "_UpstreamClaim"] = {}   # upstream connection id -> its claim
         self.agent_endpoint = agent_endpoint   # serves cubegate.internal (None: the name is refused like any other)
         self.registered = Registered()   # other data paths' connections (revoke_where closes them too)
 
@@ -1005,24 +1006,23 @@ class PolicyGate:
 
     def _claim_upstream(self, st: ConnState, server: connection.Server) -> bool:
         """Upstream connections count per sandbox too: over HTTP/2 mitmproxy opens one upstream
-        connection per stream to an HTTP/1-only server (up to 5 per client connection)."""
+        connection per stream to an HTTP/1-only server (up to 5 per client connection). They are
+        counted in the same claims as client connections (shared by every worker), under their
+        own key, so the cap holds across workers."""
         sandbox = st.identity.sandbox_id if st.identity else None
-        if sandbox is None or not self.max_connections_per_sandbox:
+        if sandbox is None or not self.max_connections_per_sandbox or server.id in self._upstream_tokens:
             return True
-        held = self._upstream_per_sandbox.setdefault(sandbox, set())
-        if len(held) >= self.max_connections_per_sandbox and server.id not in held:
+        token = _UpstreamClaim()
+        key = "^" + hashlib.sha256(sandbox.encode()).hexdigest()[:40]   # fits the shared table's id column
+        if not self.claims.claim(token, _UpstreamOwner(key)):
             return False
-        held.add(server.id)
-        self._upstream_owner[server.id] = sandbox
+        self._upstream_tokens[server.id] = token
         return True
 
     def _release_upstream(self, server: connection.Server) -> None:
-        sandbox = self._upstream_owner.pop(server.id, None)
-        held = self._upstream_per_sandbox.get(sandbox) if sandbox else None
-        if held is not None:
-            held.discard(server.id)
-            if not held:
-                self._upstream_per_sandbox.pop(sandbox, None)
+        token = self._upstream_tokens.pop(server.id, None)
+        if token is not None:
+            self.claims.release(token)
 
     def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
         self._release_upstream(data.server)
@@ -1077,6 +1077,17 @@ class PolicyGate:
 
 _INLINE_CHECK_BYTES = 64 * 1024   # larger held bodies are checked in a thread, off the event loop
 _UPSTREAM_LIMIT = "cubegate: the sandbox holds its limit of upstream connections"
+
+
+@dataclass
+class _UpstreamOwner:      # what a claim needs of an identity: the key it counts under
+    sandbox_id: str
+
+
+@dataclass
+class _UpstreamClaim:      # what a claim needs of a connection's state
+    identity: Any = None
+    counted_for: str | None = None
 
 
 def _content_length(headers) -> int | None:
