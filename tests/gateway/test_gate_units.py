@@ -190,12 +190,17 @@ def deny_doc(f: http.HTTPFlow) -> dict:
 
 
 # ---------------------------------------------------------------- decisions at CONNECT
-def test_connect_denied_by_rule_answers_readable_json_with_the_reason(parts):
+def connect_once(parts: Parts, host: str, auth: str | None) -> http.HTTPFlow:
+    """One CONNECT on a new connection, through the gate's http_connect hook."""
     async def scenario(tctx):
-        f = connect_flow(connected(parts), "denied.test", auth=parts.auth())
+        f = connect_flow(connected(parts), host, auth=auth)
         await parts.gate.http_connect(f)
         return f
-    f = run(parts, scenario)
+    return run(parts, scenario)
+
+
+def test_connect_denied_by_rule_answers_readable_json_with_the_reason(parts):
+    f = connect_once(parts, "denied.test", parts.auth())
     assert f.response.status_code == 403 and f.response.headers["Connection"] == "close"
     doc = deny_doc(f)
     assert doc["error"] == "refused_by_cubegate" and doc["reason"] == "rule_deny"
@@ -210,12 +215,7 @@ def test_connect_denied_by_rule_answers_readable_json_with_the_reason(parts):
 
 @pytest.mark.parametrize("auth, reason", [(None, "proxy_auth_missing"), ("wrong", "proxy_auth_invalid")])
 def test_connect_without_valid_proxy_auth_is_407(parts, auth, reason):
-    async def scenario(tctx):
-        f = connect_flow(connected(parts), "api.allowed.test",
-                         auth=None if auth is None else parts.auth(token=auth))
-        await parts.gate.http_connect(f)
-        return f
-    f = run(parts, scenario)
+    f = connect_once(parts, "api.allowed.test", None if auth is None else parts.auth(token=auth))
     assert f.response.status_code == 407 and f.response.headers["Proxy-Authenticate"] == 'Basic realm="cubegate"'
     assert deny_doc(f)["reason"] == reason
     rec = parts.records()[-1]
@@ -224,11 +224,7 @@ def test_connect_without_valid_proxy_auth_is_407(parts, auth, reason):
 
 
 def test_connect_to_a_name_resolving_to_a_private_address_is_refused_after_resolution(parts):
-    async def scenario(tctx):
-        f = connect_flow(connected(parts), "private.allowed.test", auth=parts.auth())
-        await parts.gate.http_connect(f)
-        return f
-    f = run(parts, scenario)
+    f = connect_once(parts, "private.allowed.test", parts.auth())
     assert f.response.status_code == 403 and deny_doc(f)["reason"] == "ssrf_private"
     rec = parts.records()[-1]
     assert rec["rule"] == "lab" and rec["reason"] == "ssrf_private"   # the policy allowed it; the guard did not
