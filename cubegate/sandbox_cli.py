@@ -110,10 +110,7 @@ def get(ctx, sandbox_id):
 @click.pass_context
 def rm(ctx, sandbox_ids):
     """Destroy sandboxes (processes, cgroups, network, identity)."""
-    api = _api(ctx)
-    for sid in sandbox_ids:
-        api.call("DELETE", f"/sandboxes/{sid}")
-        click.echo(f"{sid} destroyed")
+    _delete_each(ctx, "sandboxes", sandbox_ids, "destroyed")
 
 
 @sandbox_cli.command("init")
@@ -205,7 +202,12 @@ def snapshots(ctx, as_json):
 @click.pass_context
 def snapshot_rm(ctx, snapshot_ids):
     """Remove snapshots."""
+    _delete_each(ctx, "snapshots", snapshot_ids, "removed")
+
+
+def _delete_each(ctx: click.Context, collection: str, ids: tuple[str, ...], done: str) -> None:
+    """DELETE /<collection>/<id> for each id in turn (the first refusal stops the rest)."""
     api = _api(ctx)
-    for sid in snapshot_ids:
-        api.call("DELETE", f"/snapshots/{sid}")
-        click.echo(f"{sid} removed")
+    for item in ids:
+        api.call("DELETE", f"/{collection}/{item}")
+        click.echo(f"{item} {done}")
