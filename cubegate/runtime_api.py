@@ -14,7 +14,7 @@
     GET    /v1/snapshots                      list
     GET    /v1/snapshots/{snapshot}           get
     DELETE /v1/snapshots/{snapshot}           remove (204)
-    POST   /v1/snapshots/{snapshot}/clone     {ids, labels, env, secret_env, limits?} → 201 sandboxes
+    POST   /v1/snapshots/{snapshot}/clone     {ids, labels, env, secret_env, limits?, network?} → 201 sandboxes
     GET    /v1/openapi.json
 
 Bodies: cubegate/runtime_models.py (validation and the OpenAPI document). Every
@@ -292,8 +292,9 @@ class CloneHandler(_Base):
         if body.limits is not None:
             base = self.manager.get_snapshot(snapshot)["limits"]
             limits = Limits(**{**base, **body.limits.model_dump(exclude_none=True)})
+        network = body.network.model_dump() if body.network is not None else None
         made = await self.run(self.manager.clone, snapshot, body.ids, labels=body.labels, env=body.env,
-                              secret_env=body.secret_env, limits=limits)
+                              secret_env=body.secret_env, limits=limits, network=network)
         self.reply(201, {"sandboxes": made})
 
 

@@ -62,6 +62,23 @@ class DaemonHooks:
             raise InvalidRequest("network: " + "; ".join(f"{p['pointer'] or '/'}: {p['message']}"
                                                          for p in e.pointers())) from None
 
+    def network_of(self, sandbox_id: str) -> dict | None:
+        net = self.d.policies.network(sandbox_id)
+        return net.to_doc() if net is not None else None
+
+    def narrow_network(self, inherited: dict | None, requested: dict | None) -> dict | None:
+        """A clone's options: its snapshotted sandbox's, narrowed further by the request, never widened."""
+        from egress.policy import PolicyError
+        from egress.policy.network import SandboxNetwork, narrow_further, parse_network
+        if inherited is None:
+            return requested
+        try:
+            asked = parse_network(requested) if requested is not None else SandboxNetwork()
+            return narrow_further(parse_network(inherited), asked).to_doc()
+        except PolicyError as e:
+            raise InvalidRequest("network: " + "; ".join(f"{p['pointer'] or '/'}: {p['message']}"
+                                                         for p in e.pointers())) from None
+
     def l4_allow(self, sandbox_id: str, labels: dict[str, str]) -> list:
         return l4_allow_for(self.d.policies.current, sandbox_id, labels)
 

@@ -100,12 +100,16 @@ class TakeSnapshot(Body):
 
 class Clone(Body):
     """Each clone gets its own identity, address, placeholders and policy (from its own id and
-    labels): nothing of the snapshotted sandbox's but its files and tenant."""
+    labels): nothing of the snapshotted sandbox's but its files, its tenant and its network
+    options, which the clone request can only narrow further."""
     ids: list[SandboxId] = Field(min_length=1, max_length=MAX_CLONES)
     labels: StrMap = {}
     env: StrMap = {}
     secret_env: StrMap = Field({}, description="ENV_NAME -> vault secret id (gets the clone's own placeholder)")
     limits: LimitsIn | None = Field(None, description="default: the snapshotted sandbox's limits")
+    network: Network | None = Field(None, description="narrows the snapshotted sandbox's network options "
+                                    "further (deny entries add up; allow entries must lie within its allow "
+                                    "list, else 400); default: exactly its options")
 
 
 class Rollback(Body):
@@ -156,6 +160,8 @@ class Snapshot(Reply):
     limits: Limits
     size_bytes: int
     created: float
+    network: dict[str, list[str]] | None = Field(None, description="the sandbox's network options "
+                                                 "({allow, deny}) when it was taken: every clone starts under them")
 
 
 class SnapshotList(Reply):

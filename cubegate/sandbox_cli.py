@@ -165,13 +165,17 @@ def snapshot(ctx, sandbox_id, snapshot_id, as_json):
 @click.option("--label", "labels", multiple=True, help="KEY=VALUE (policy selection of the clones)")
 @click.option("--env", "env", multiple=True, help="NAME=VALUE")
 @click.option("--secret-env", "secret_env", multiple=True, help="NAME=SECRET_ID: each clone gets its own placeholder")
+@click.option("--allow", "allow", multiple=True, help="narrow the inherited network options: only within its allow list")
+@click.option("--deny", "deny", multiple=True, help="narrow the inherited network options: deny this too")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def clone(ctx, snapshot_id, sandbox_ids, labels, env, secret_env, as_json):
+def clone(ctx, snapshot_id, sandbox_ids, labels, env, secret_env, allow, deny, as_json):
     """Start one sandbox per SANDBOX_ID from a snapshot (all or none); each its own identity,
-    address, placeholders and policy."""
+    address, placeholders and policy, under the snapshotted sandbox's network options."""
     doc = {"ids": list(sandbox_ids), "labels": _pairs(labels, "--label"), "env": _pairs(env, "--env"),
            "secret_env": _pairs(secret_env, "--secret-env")}
+    if allow or deny:
+        doc["network"] = {"allow": list(allow), "deny": list(deny)}
     echo_rows(_api(ctx).call("POST", f"/snapshots/{snapshot_id}/clone", json=doc)["sandboxes"],
               lambda sb: f"{sb['id']} {sb['state']} ip {sb['ip']} started in {sb['start_ms']} ms", as_json=as_json)
 

@@ -72,6 +72,13 @@ class RuntimeHooks(Protocol):
     def set_network(self, sandbox_id: str, network: dict, actor: str) -> None:
         """Per-sandbox network options ({allow, deny}): they only narrow what the policy allows."""
 
+    def network_of(self, sandbox_id: str) -> dict | None:
+        """The sandbox's network options now (None: it has none)."""
+
+    def narrow_network(self, inherited: dict | None, requested: dict | None) -> dict | None:
+        """Options of a sandbox started under `inherited` that asks for `requested`: never wider
+        than `inherited`; InvalidRequest when the request would widen them."""
+
     def l4_allow(self, sandbox_id: str, labels: dict[str, str]) -> list: ...
 
     def placeholders(self, tenant: str, sandbox_id: str) -> dict[str, str]:
@@ -89,6 +96,8 @@ class NoHooks:
     def register(self, sandbox_id, tenant, labels): pass
     def forget(self, sandbox_id): pass
     def set_network(self, sandbox_id, network, actor): pass
+    def network_of(self, sandbox_id): return None
+    def narrow_network(self, inherited, requested): return requested if inherited is None else inherited
     def l4_allow(self, sandbox_id, labels): return []
     def placeholders(self, tenant, sandbox_id): return {}
     def real_secrets_in(self, tenant, sandbox_id, data): return []
@@ -487,7 +496,7 @@ class SandboxManager:
                 snap = Snapshot(id=snapshot_id, sandbox=rec.id, tenant=rec.tenant, backend=rec.backend,
                                 template=info["template"], template_key=info["template_key"], limits=rec.limits,
                                 layer_uid=info["layer_uid"], size_bytes=tree_size(tmp / "layer"),
-                                created=time.time())
+                                created=time.time(), network=self.hooks.network_of(rec.id))
                 store.commit(tmp, snap)
             except BaseException:
                 store.abort(tmp)
@@ -522,18 +531,21 @@ class SandboxManager:
                 "seed_tokens": {theirs[s]: ours[s] for s in theirs if s in ours}}
 
     def clone(self, snapshot_id: str, sandbox_ids: list[str], *, labels: dict | None = None,
-              env: dict | None = None, secret_env: dict | None = None, limits: Limits | None = None) -> list[dict]:
+              env: dict | None = None, secret_env: dict | None = None, limits: Limits | None = None,
+              network: dict | None = None) -> list[dict]:
         """Start one sandbox per id from the snapshot: each its own identity, address, placeholders
-        and policy (from its own id and labels), the snapshot's files and tenant. All or none."""
+        and policy (from its own id and labels), the snapshot's files and tenant, and the
+        snapshotted sandbox's network options, which `network` can only narrow. All or none."""
         snap = self._get_snapshot(snapshot_id)
         if not sandbox_ids or len(sandbox_ids) > MAX_CLONES or len(set(sandbox_ids)) != len(sandbox_ids):
             raise InvalidRequest(f"ids: 1 to {MAX_CLONES} distinct sandbox ids")
+        network = self.hooks.narrow_network(snap.network, network)
         made: list[str] = []
         try:
             for sid in sandbox_ids:
                 req = CreateRequest(sandbox_id=sid, tenant=snap.tenant, backend=snap.backend, labels=dict(labels or {}),
                                     limits=limits or snap.limits, env=dict(env or {}),
-                                    secret_env=dict(secret_env or {}), template=snap.template)
+                                    secret_env=dict(secret_env or {}), template=snap.template, network=network)
                 made.append(self.create(req, seed=self._seed(snap, sid))["id"])
         except BaseException:
             for sid in made:

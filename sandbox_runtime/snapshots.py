@@ -1,7 +1,8 @@
 """Sandbox snapshots on disk: a copy of a sandbox's writable layer and what it was taken from.
 
     <dir>/<snapshot id>/meta.json   id, sandbox, tenant, backend, template (+ build key),
-                                    limits, host uid of the layer's files, size, created
+                                    limits, host uid of the layer's files, size, created,
+                                    network options (clones inherit them)
     <dir>/<snapshot id>/layer/      the overlay upper layer (namespace backend), copied as root
 
 Files only, never processes: a clone or a rollback starts fresh processes on a
@@ -40,6 +41,8 @@ class Snapshot:
     layer_uid: int | None       # host uid owning the sandbox's files in the layer
     size_bytes: int
     created: float
+    network: dict | None = None  # the sandbox's network options when it was taken: what clones inherit
+                                 # (None: it had none, or the snapshot predates this field)
 
     def public(self) -> dict:
         d = asdict(self)

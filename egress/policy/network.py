@@ -41,6 +41,21 @@ class NetEntry:
         """Could a request to name `host` on some port match this entry?"""
         return self.everything or (self.host is not None and self.host.matches(host))
 
+    def covers(self, other: "NetEntry") -> bool:
+        """Does every destination `other` matches also match this entry?"""
+        if self.everything:
+            return True
+        if other.everything or (self.port is not None and self.port != other.port):
+            return False
+        if self.net is not None:
+            return other.net is not None and other.net.version == self.net.version and other.net.subnet_of(self.net)
+        if self.host is None or other.host is None:
+            return False
+        if not self.host.wildcard:
+            return not other.host.wildcard and other.host.name == self.host.name
+        # *.S covers a name under S, and *.T where T is S or a name under S
+        return (other.host.wildcard and other.host.name == self.host.name) or self.host.matches(other.host.name)
+
 
 @dataclass(frozen=True)
 class SandboxNetwork:
@@ -64,6 +79,27 @@ class SandboxNetwork:
 
     def to_doc(self) -> dict:
         return {"allow": [e.text for e in self.allow], "deny": [e.text for e in self.deny]}
+
+
+def narrow_further(inherited: SandboxNetwork, requested: SandboxNetwork, *,
+                   source: str = "network") -> SandboxNetwork:
+    """The options of a sandbox that starts under `inherited` (a clone under its snapshotted
+    sandbox's) and asks for `requested`: never wider than `inherited`. Deny lists add up;
+    an allow list may only name what the inherited allow list covers (PolicyError with
+    `allow[i]` otherwise: a widening is refused, never silently dropped)."""
+    errors = []
+    if inherited.allow and requested.allow:
+        for i, e in enumerate(requested.allow):
+            if not any(outer.covers(e) for outer in inherited.allow):
+                errors.append(ErrorItem(source, 0, f"allow[{i}]", f"{e.text!r} is not within the inherited allow "
+                                        "list: a clone can only narrow its snapshotted sandbox's network options"))
+    known = {e.text for e in inherited.deny}
+    deny = inherited.deny + tuple(e for e in requested.deny if e.text not in known)
+    if len(deny) > MAX_ENTRIES:
+        errors.append(ErrorItem(source, 0, "deny", f"at most {MAX_ENTRIES} entries with the inherited ones"))
+    if errors:
+        raise PolicyError(errors)
+    return SandboxNetwork(requested.allow or inherited.allow, deny)
 
 
 def _split_port(text: str) -> tuple[str, int | None]:

@@ -74,6 +74,37 @@ def test_replace_tokens_in_a_layer_keeps_lengths_and_skips_non_files(tmp_path):
         rootfs.replace_tokens(tmp_path, {old: b"short"})
 
 
+@pytest.mark.parametrize("inherited, requested, want", [
+    ({}, {"allow": ["api.x.com"], "deny": ["b.x.com"]}, {"allow": ["api.x.com"], "deny": ["b.x.com"]}),
+    ({"deny": ["*"]}, {}, {"allow": [], "deny": ["*"]}),                    # allow_internet_access=false stays
+    ({"deny": ["*"]}, {"allow": ["api.x.com"]}, {"allow": ["api.x.com"], "deny": ["*"]}),  # deny still wins
+    ({"deny": ["a.x.com"]}, {"deny": ["a.x.com", "c.x.com"]}, {"allow": [], "deny": ["a.x.com", "c.x.com"]}),
+    ({"allow": ["*.x.com", "10.0.0.0/8"]}, {"allow": ["api.x.com:443", "*.b.x.com", "10.1.0.0/16:5432"]},
+     {"allow": ["api.x.com:443", "*.b.x.com", "10.1.0.0/16:5432"], "deny": []}),
+    ({"allow": ["api.x.com:443"]}, {}, {"allow": ["api.x.com:443"], "deny": []}),
+])
+def test_a_clone_network_is_the_inherited_one_narrowed(inherited, requested, want):
+    from egress.policy.network import narrow_further, parse_network
+    assert narrow_further(parse_network(inherited), parse_network(requested)).to_doc() == want
+
+
+@pytest.mark.parametrize("inherited, allow", [
+    ({"allow": ["api.x.com"]}, "other.x.com"),
+    ({"allow": ["api.x.com"]}, "*.api.x.com"),        # an exact name covers no wildcard
+    ({"allow": ["*.x.com"]}, "x.com"),                # *.x.com is strict subdomains only
+    ({"allow": ["*.x.com"]}, "evil-x.com"),
+    ({"allow": ["api.x.com:443"]}, "api.x.com"),      # every port is wider than 443
+    ({"allow": ["10.0.0.0/16"]}, "10.0.0.0/8"),
+    ({"allow": ["api.x.com"]}, "198.18.0.10"),        # an address is not a name the list names
+    ({"allow": ["10.0.0.0/8"]}, "[2001:db8::/32]"),
+])
+def test_a_clone_request_that_widens_is_refused(inherited, allow):
+    from egress.policy import PolicyError
+    from egress.policy.network import narrow_further, parse_network
+    with pytest.raises(PolicyError, match=r"allow\[1\].*not within the inherited allow list"):
+        narrow_further(parse_network(inherited), parse_network({"allow": [inherited["allow"][0], allow]}))
+
+
 # ------------------------------------------------------------------ the daemon
 
 def _vault(gw) -> None:
@@ -187,6 +218,50 @@ def test_clone_is_all_or_none_and_refuses_a_taken_id(rt, lab):
         assert api(lab, gw, "GET", f"/snapshots/{snap['id']}").status_code == 404
     finally:
         rm(lab, gw, parent)
+
+
+def _reach(lab, gw, sid: str, url: str) -> str:
+    return sh(lab, gw, sid, f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 10 {url} || true")
+
+
+def test_a_clone_inherits_its_parents_network_narrowing(rt, lab):
+    gw, sw = rt
+    narrow, closed, clone, clone2 = _sid("n"), _sid("x"), _sid("nc"), _sid("xc")
+    try:
+        for sid, network in ((narrow, {"deny": ["echo.allowed.test"]}), (closed, {"deny": ["*"]})):
+            r = api(lab, gw, "POST", "/sandboxes", json={"id": sid, "tenant": "acme", "network": network})
+            assert r.status_code == 201, r.text
+        assert _reach(lab, gw, narrow, "http://api.allowed.test/n") == "200"
+        assert _reach(lab, gw, narrow, "http://echo.allowed.test/n") != "200"
+        snap = api(lab, gw, "POST", f"/sandboxes/{narrow}/snapshot", json={}).json()
+        assert snap["network"] == {"allow": [], "deny": ["echo.allowed.test"]}, snap
+        # a clone that asks for nothing is refused what its parent was refused
+        r = api(lab, gw, "POST", f"/snapshots/{snap['id']}/clone", json={"ids": [clone]})
+        assert r.status_code == 201, r.text
+        assert _reach(lab, gw, clone, "http://api.allowed.test/clone-ok") == "200"
+        assert _reach(lab, gw, clone, "http://echo.allowed.test/clone-dns") != "200"     # its resolver refuses
+        echo_ip = lab.hosts["echo.allowed.test"]                                         # and so does the gateway
+        assert _reach(lab, gw, clone, f"--resolve echo.allowed.test:80:{echo_ip} http://echo.allowed.test/clone-ip") == "403"
+        rec = gw.wait_record(lambda x: x.get("sandbox") == clone and x.get("path") == "/clone-ip", timeout=10)
+        assert rec["decision"] == "deny" and rec["reason"] == "sandbox_network_deny", rec
+        # allow_internet_access=false (deny *): the clone has no egress either, and asking for an
+        # allow list does not open it (deny wins)
+        snap2 = api(lab, gw, "POST", f"/sandboxes/{closed}/snapshot", json={}).json()
+        r = api(lab, gw, "POST", f"/snapshots/{snap2['id']}/clone",
+                json={"ids": [clone2], "network": {"allow": ["api.allowed.test"]}})
+        assert r.status_code == 201, r.text
+        assert _reach(lab, gw, clone2, "http://api.allowed.test/closed") != "200"
+        # a request to widen is refused (400, nothing started), not silently dropped
+        wider = _sid("w")
+        r = api(lab, gw, "PUT", f"/sandboxes/{narrow}/network", json={"allow": ["api.allowed.test"]})
+        assert r.status_code == 200, r.text
+        snap3 = api(lab, gw, "POST", f"/sandboxes/{narrow}/snapshot", json={}).json()
+        r = api(lab, gw, "POST", f"/snapshots/{snap3['id']}/clone",
+                json={"ids": [wider], "network": {"allow": ["echo.allowed.test"]}})
+        assert r.status_code == 400 and "not within the inherited allow list" in r.json()["message"], r.text
+        assert api(lab, gw, "GET", f"/sandboxes/{wider}").status_code == 404 and sw.sandbox(wider) is None
+    finally:
+        rm(lab, gw, narrow, closed, clone, clone2)
 
 
 def test_rollback_restores_the_files_and_keeps_identity_and_env(rt, lab):
