@@ -241,7 +241,8 @@ def test_a_clone_inherits_its_parents_network_narrowing(rt, lab):
         assert _reach(lab, gw, clone, "http://api.allowed.test/clone-ok") == "200"
         assert _reach(lab, gw, clone, "http://echo.allowed.test/clone-dns") != "200"     # its resolver refuses
         echo_ip = lab.hosts["echo.allowed.test"]                                         # and so does the gateway
-        assert _reach(lab, gw, clone, f"--resolve echo.allowed.test:80:{echo_ip} http://echo.allowed.test/clone-ip") == "403"
+        pinned = f"--resolve echo.allowed.test:80:{echo_ip} http://echo.allowed.test/clone-ip"
+        assert _reach(lab, gw, clone, pinned) == "403"
         rec = gw.wait_record(lambda x: x.get("sandbox") == clone and x.get("path") == "/clone-ip", timeout=10)
         assert rec["decision"] == "deny" and rec["reason"] == "sandbox_network_deny", rec
         # allow_internet_access=false (deny *): the clone has no egress either, and asking for an
