@@ -25,6 +25,7 @@ BENCHES = [
     ("bench_inject.py", 120.0, ["--requests", "200"]),
     ("bench_cubevs.py", 300.0, ["--quick"]),
     ("bench_sandbox.py", 300.0, ["--quick"]),
+    ("bench_capacity.py", 420.0, ["--quick"]),
     ("soak.py", 400.0, ["--sandboxes", "100", "--duration", "30"]),
 ]
 
