@@ -97,7 +97,7 @@ class NoHooks:
     def forget(self, sandbox_id): pass
     def set_network(self, sandbox_id, network, actor): pass
     def network_of(self, sandbox_id): return None
-    def narrow_network(self, inherited, requested): return requested if inherited is None else inherited
+    def narrow_network(self, inherited, requested): return requested   # network_of gives None: nothing inherited
     def l4_allow(self, sandbox_id, labels): return []
     def placeholders(self, tenant, sandbox_id): return {}
     def real_secrets_in(self, tenant, sandbox_id, data): return []

@@ -226,15 +226,16 @@ def _reach(lab, gw, sid: str, url: str) -> str:
 
 def test_a_clone_inherits_its_parents_network_narrowing(rt, lab):
     gw, sw = rt
-    narrow, closed, clone, clone2 = _sid("n"), _sid("x"), _sid("nc"), _sid("xc")
+    narrow, closed, clone, clone2, clone3 = _sid("n"), _sid("x"), _sid("nc"), _sid("xc"), _sid("nd")
     try:
-        for sid, network in ((narrow, {"deny": ["echo.allowed.test"]}), (closed, {"deny": ["*"]})):
+        narrowing = {"allow": ["api.allowed.test", "echo.allowed.test"], "deny": ["echo.allowed.test"]}
+        for sid, network in ((narrow, narrowing), (closed, {"deny": ["*"]})):
             r = api(lab, gw, "POST", "/sandboxes", json={"id": sid, "tenant": "acme", "network": network})
             assert r.status_code == 201, r.text
         assert _reach(lab, gw, narrow, "http://api.allowed.test/n") == "200"
         assert _reach(lab, gw, narrow, "http://echo.allowed.test/n") != "200"
         snap = api(lab, gw, "POST", f"/sandboxes/{narrow}/snapshot", json={}).json()
-        assert snap["network"] == {"allow": [], "deny": ["echo.allowed.test"]}, snap
+        assert snap["network"] == narrowing, snap
         # a clone that asks for nothing is refused what its parent was refused
         r = api(lab, gw, "POST", f"/snapshots/{snap['id']}/clone", json={"ids": [clone]})
         assert r.status_code == 201, r.text
@@ -245,6 +246,13 @@ def test_a_clone_inherits_its_parents_network_narrowing(rt, lab):
         assert _reach(lab, gw, clone, pinned) == "403"
         rec = gw.wait_record(lambda x: x.get("sandbox") == clone and x.get("path") == "/clone-ip", timeout=10)
         assert rec["decision"] == "deny" and rec["reason"] == "sandbox_network_deny", rec
+        # narrowed further through the CLI: the deny lists add up, and a clone of that clone inherits both
+        out = json.loads(cli(lab, gw, "clone", snap["id"], clone3, "--deny", "api.allowed.test:80", "--json").stdout)
+        assert out[0]["state"] == "running"
+        assert _reach(lab, gw, clone3, "http://api.allowed.test/clone3") != "200"
+        snap4 = api(lab, gw, "POST", f"/sandboxes/{clone3}/snapshot", json={}).json()
+        assert snap4["network"] == {"allow": narrowing["allow"],
+                                    "deny": ["echo.allowed.test", "api.allowed.test:80"]}, snap4
         # allow_internet_access=false (deny *): the clone has no egress either, and asking for an
         # allow list does not open it (deny wins)
         snap2 = api(lab, gw, "POST", f"/sandboxes/{closed}/snapshot", json={}).json()
@@ -254,15 +262,12 @@ def test_a_clone_inherits_its_parents_network_narrowing(rt, lab):
         assert _reach(lab, gw, clone2, "http://api.allowed.test/closed") != "200"
         # a request to widen is refused (400, nothing started), not silently dropped
         wider = _sid("w")
-        r = api(lab, gw, "PUT", f"/sandboxes/{narrow}/network", json={"allow": ["api.allowed.test"]})
-        assert r.status_code == 200, r.text
-        snap3 = api(lab, gw, "POST", f"/sandboxes/{narrow}/snapshot", json={}).json()
-        r = api(lab, gw, "POST", f"/snapshots/{snap3['id']}/clone",
-                json={"ids": [wider], "network": {"allow": ["echo.allowed.test"]}})
+        r = api(lab, gw, "POST", f"/snapshots/{snap['id']}/clone",
+                json={"ids": [wider], "network": {"allow": ["api.allowed.test", "passthrough.allowed.test"]}})
         assert r.status_code == 400 and "not within the inherited allow list" in r.json()["message"], r.text
         assert api(lab, gw, "GET", f"/sandboxes/{wider}").status_code == 404 and sw.sandbox(wider) is None
     finally:
-        rm(lab, gw, narrow, closed, clone, clone2)
+        rm(lab, gw, narrow, closed, clone, clone2, clone3)
 
 
 def test_rollback_restores_the_files_and_keeps_identity_and_env(rt, lab):
