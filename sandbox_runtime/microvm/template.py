@@ -128,7 +128,7 @@ def _prefix(man: Manifest) -> str:
 def template_dir(assets_dir: Path, man: Manifest, memory_mb: int, cpus: int, accel: str,
                  disk_key: str | None = None) -> Path:
     """disk_key: the root disk's content address (a rootfs template's key), part of the name."""
-    tail = f"-t{disk_key[:24]}" if disk_key else ""
+    tail = f"-t{disk_key[:16]}" if disk_key else ""
     return assets_dir / "templates" / f"{_prefix(man)}{accel}-{memory_mb}m-{cpus}c{tail}"
 
 
@@ -145,7 +145,7 @@ def ensure_template(assets_dir: Path, man: Manifest, agent: str, *, memory_mb: i
             return Template(**json.loads(meta.read_text()))
         d.mkdir(parents=True, exist_ok=True)
         tsc = host_tsc_khz()
-        run = tempfile.mkdtemp(prefix="boot-", dir=d)
+        run = tempfile.mkdtemp(prefix="cgvmboot-")     # short: unix socket paths (< 108 bytes)
         snap = d / "state.tmp"
         try:
             cfg = vm_config(assets_dir, run, memory_mb=memory_mb, cpus=cpus, accel=accel, tsc=tsc, disk=disk)

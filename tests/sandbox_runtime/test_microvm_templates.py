@@ -133,9 +133,10 @@ def test_a_microvm_boots_the_base_template_and_goes_out_through_the_gateway(rt, 
     try:
         sb = create(lab, gw, sid)
         assert sb["template"] == "base" and sb["backend"] == "microvm"
-        out = sh(lab, gw, sid, "uname -r; . /etc/os-release; echo $VERSION_CODENAME; command -v git curl; "
+        out = sh(lab, gw, sid, "uname -r; . /etc/os-release; echo $VERSION_CODENAME; command -v git; command -v curl; "
                                "test -e /usr/bin/qemu-system-x86_64 || echo no-host-usr; cat /etc/hostname; "
                                "grep -c ' / overlay ' /proc/mounts; touch /usr/x && echo writable")
+        assert len(out.split()) == 8, repr(out)
         kernel, codename, git, curl, host_usr, hostname, overlay, writable = out.split()
         assert kernel.endswith("cloud-amd64") and codename == "bookworm"        # the template, in a guest kernel
         assert (git, curl) == ("/usr/bin/git", "/usr/bin/curl") and host_usr == "no-host-usr"
