@@ -38,7 +38,7 @@ AGENT_PORT = "cubegate.agent"
 
 def default_assets_dir() -> Path:
     return DEFAULT_ASSETS_DIR
-FORMAT = 2   # bump when the guest layout changes: it is part of the assets hash
+FORMAT = 4   # bump when the guest layout changes: it is part of the assets hash
 
 
 # ------------------------------------------------------------------ pure: cpio (newc)
@@ -151,7 +151,7 @@ done
 for a in $(cat /proc/cmdline); do
   case "$a" in cubegate.ip=*) ip=${a#*=};; cubegate.gw=*) gw=${a#*=};; esac
 done
-[ -n "$ip" ] && [ -n "$gw" ] && cg-net "$ip" "$gw"
+[ -n "$ip" ] && [ -n "$gw" ] && /run/cubegate/bin/sh /run/cubegate/sbin/cg-net "$ip" "$gw"
 mkdir -p /workspace
 echo cubegate-init-ready > /dev/ttyS0 2>/dev/null
 # The agent exits when the host side of the port is not connected (read returns EOF at once):
@@ -185,7 +185,7 @@ export PATH=/run/cubegate/bin:/run/cubegate/sbin:/sbin:/bin
 set -e
 date -s "@$1" >/dev/null
 cat > /dev/urandom
-cg-net "$2" "$3" "$4"
+/run/cubegate/bin/sh /run/cubegate/sbin/cg-net "$2" "$3" "$4"
 if [ -d /run/cubegate/rw/upper ]; then
   mount -o remount,size="$5m" /run/cubegate/rw
 else
@@ -202,19 +202,30 @@ FRESH = r"""#!/bin/sh
 export PATH=/run/cubegate/bin:/run/cubegate/sbin:/sbin:/bin
 if [ "$1" != now ]; then
   echo "$PPID"
-  cg-fresh now </dev/null >/dev/null 2>&1 &
+  /run/cubegate/bin/sh /run/cubegate/sbin/cg-fresh now </dev/null >/dev/null 2>&1 &
   exit 0
 fi
 sleep 0.3
-for round in 1 2 3 4 5 6 7 8; do
+agent=/run/cubegate/sbin/cubegate-agent
+round=0
+while [ $round -lt 8 ]; do
   left=0
   for d in /proc/[0-9]*; do
     p=${d#/proc/}
     [ "$p" = 1 ] || [ "$p" = $$ ] && continue
-    [ -s "$d/cmdline" ] || continue          # kernel threads (and zombies)
+    exe=$(readlink "$d/exe" 2>/dev/null) || continue    # kernel threads and zombies have no exe
+    if [ $round -gt 0 ]; then
+      # what survived the first round was forked meanwhile; but the agent init started anew,
+      # and what it runs for the host, stay
+      [ "$exe" = "$agent" ] && continue
+      pp=0
+      while read -r k v; do [ "$k" = PPid: ] && pp=$v && break; done < "$d/status"
+      [ "$(readlink /proc/$pp/exe 2>/dev/null)" = "$agent" ] && continue
+    fi
     kill -9 "$p" 2>/dev/null && left=1
   done
   [ $left = 0 ] && break
+  round=$((round+1))
   sleep 0.05
 done
 echo 3 > /proc/sys/vm/drop_caches
@@ -234,6 +245,15 @@ done
 
 SCRIPTS = {"cg-serve": SERVE, "cg-net": NET, "cg-setup": SETUP, "cg-fresh": FRESH, "cg-retoken": RETOKEN}
 TOOLS = "/run/cubegate/sbin"     # where the host finds the scripts in either mode
+
+
+def layout_hash() -> str:
+    """The guest's scripts and modules: assets built from other ones are rebuilt (a changed
+    script must never be run from a stale initramfs)."""
+    h = hashlib.sha256(f"{FORMAT}\0{' '.join(MODULES)}\0{INIT}".encode())
+    for name in sorted(SCRIPTS):
+        h.update(f"\0{name}\0{SCRIPTS[name]}".encode())
+    return h.hexdigest()[:16]
 
 
 def init_script() -> str:
@@ -282,6 +302,7 @@ class Manifest:
     kernel_version: str
     agent_sha256: str
     format: int = FORMAT
+    layout: str = ""            # layout_hash() of the build
 
     @classmethod
     def load(cls, assets_dir: Path) -> "Manifest":
@@ -302,7 +323,7 @@ def assets_ready(assets_dir: Path, agent: Path | None = None) -> tuple[bool, str
         man = Manifest.load(d)
     except (OSError, ValueError, TypeError):
         return False, f"{d / 'manifest.json'} unreadable; run: python -m sandbox_runtime.microvm build"
-    if man.format != FORMAT:
+    if man.format != FORMAT or man.layout != layout_hash():
         return False, "microvm guest assets are from an older layout; run: python -m sandbox_runtime.microvm build"
     if agent is not None and Path(agent).is_file() and _sha256(agent) != man.agent_sha256:
         return False, "microvm guest assets embed another agent build; run: python -m sandbox_runtime.microvm build"
@@ -401,7 +422,7 @@ def build(dest: Path = DEFAULT_ASSETS_DIR, *, agent: Path = DEFAULT_AGENT, busyb
         h.update(initrd)
         h.update(str(FORMAT).encode())
         man = Manifest(hash=h.hexdigest()[:16], kernel=pkg, kernel_version=version,
-                       agent_sha256=hashlib.sha256(agent_bytes).hexdigest())
+                       agent_sha256=hashlib.sha256(agent_bytes).hexdigest(), layout=layout_hash())
         for name, data in (("vmlinuz", vmlinuz), ("initramfs.cpio.gz", initrd)):
             (Path(tmp) / name).write_bytes(data)
             os.replace(Path(tmp) / name, dest / name)
