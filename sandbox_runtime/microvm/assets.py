@@ -198,14 +198,15 @@ hostname "$6"
 # placeholders and identity): kill every process but init, the agent included (init starts a
 # fresh one). In the background after a pause, so the agent can answer this exec first.
 FRESH = r"""#!/bin/sh
-# usage: cg-fresh   (prints the pid of the agent that ran it)
+# usage: cg-fresh TOKEN   (prints the pid of the agent that ran it; says "cubegate-fresh TOKEN"
+# on the console, which the host reads through QMP, when it is done)
 export PATH=/run/cubegate/bin:/run/cubegate/sbin:/sbin:/bin
 if [ "$1" != now ]; then
   echo "$PPID"
-  /run/cubegate/bin/sh /run/cubegate/sbin/cg-fresh now </dev/null >/dev/null 2>&1 &
+  /run/cubegate/bin/sh /run/cubegate/sbin/cg-fresh now "$1" </dev/null >/dev/null 2>&1 &
   exit 0
 fi
-sleep 0.3
+sleep 0.2
 agent=/run/cubegate/sbin/cubegate-agent
 round=0
 while [ $round -lt 8 ]; do
@@ -213,14 +214,14 @@ while [ $round -lt 8 ]; do
   for d in /proc/[0-9]*; do
     p=${d#/proc/}
     [ "$p" = 1 ] || [ "$p" = $$ ] && continue
-    exe=$(readlink "$d/exe" 2>/dev/null) || continue    # kernel threads and zombies have no exe
+    [ -e "$d/exe" ] || continue           # kernel threads and zombies have no exe (no forks here: TCG)
     if [ $round -gt 0 ]; then
       # what survived the first round was forked meanwhile; but the agent init started anew,
       # and what it runs for the host, stay
-      [ "$exe" = "$agent" ] && continue
+      [ "$d/exe" -ef "$agent" ] && continue
       pp=0
       while read -r k v; do [ "$k" = PPid: ] && pp=$v && break; done < "$d/status"
-      [ "$(readlink /proc/$pp/exe 2>/dev/null)" = "$agent" ] && continue
+      [ "/proc/$pp/exe" -ef "$agent" ] && continue
     fi
     kill -9 "$p" 2>/dev/null && left=1
   done
@@ -229,6 +230,7 @@ while [ $round -lt 8 ]; do
   sleep 0.05
 done
 echo 3 > /proc/sys/vm/drop_caches
+echo "cubegate-fresh $2" > /dev/ttyS0
 """
 
 # Files of the writable layer that hold the snapshotted sandbox's placeholders get the new

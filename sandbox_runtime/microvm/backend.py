@@ -19,6 +19,7 @@ buffers) is at most a placeholder: the gateway resolves only the clone's own.
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
@@ -35,6 +36,7 @@ from . import assets, netplumb, template, vm
 from .channel import RECONNECT_GAP_S, AgentChannel
 from .snapshot import MEMORY, VmSnapshot, incompatibility, token_pairs, vm_cpus
 
+log = logging.getLogger("cubegate.microvm")
 NAME = "microvm"
 SANDBOX_CA_PATH = "/etc/ssl/certs/ca-certificates.crt"
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
@@ -181,6 +183,7 @@ class MicrovmBackend:
         sid = spec.sandbox_id
         if not ids.is_sandbox_id(sid):
             raise SandboxError(f"invalid sandbox id {sid!r}")
+        t_start = time.monotonic()
         rootfs = self._rootfs(spec.template) if spec.template else None
         if spec.seed_layer:
             tpl, seed = self._seed(spec, rootfs)
@@ -225,9 +228,15 @@ class MicrovmBackend:
                     q.execute("cont")
             ch = self._channel(h)
             ch.ping_until(deadline)
-            if seed is not None and seed.sandbox != sid:
+            t_restored = time.monotonic()
+            clone = seed is not None and seed.sandbox != sid
+            if clone:
                 self._fresh_processes(h, deadline)
+            t_fresh = time.monotonic()
             self._setup_guest(h, spec, mac=mac, ip=ip, gateway_ip=gateway_ip)
+            log.info("sandbox %s: %s in %.0f ms (restore %.0f, fresh processes %.0f, setup %.0f)", sid,
+                     "cloned" if clone else "restored", (time.monotonic() - t_start) * 1000,
+                     (t_restored - t_start) * 1000, (t_fresh - t_restored) * 1000, (time.monotonic() - t_fresh) * 1000)
             return h
         except BaseException as e:
             err = vm.tail(str(run_dir / "qemu.err"))
@@ -246,10 +255,12 @@ class MicrovmBackend:
 
     def _fresh_processes(self, h: Handle, deadline: float) -> None:
         """Kill every process the snapshot brought along, the agent included, and make sure
-        the one answering now is a new agent (init starts it)."""
-        old = self._run(h, [SH, f"{TOOLS}/cg-fresh"]).strip()
+        the one answering now is a new agent (init starts it). cg-fresh says on the console
+        when it is done: talking to the agent before would race its kill."""
+        token = os.urandom(8).hex()
+        old = self._run(h, [SH, f"{TOOLS}/cg-fresh", token]).strip()
         self._channel(h).close()
-        time.sleep(0.3 + RECONNECT_GAP_S)           # cg-fresh waits 0.3 s before it kills
+        self._wait_console(h, f"cubegate-fresh {token}", deadline)
         last = ""
         while time.monotonic() < deadline:
             try:
@@ -259,8 +270,19 @@ class MicrovmBackend:
                 last = f"agent {now.decode()} still the snapshot's"
             except SandboxError as e:
                 last = str(e)
-            time.sleep(0.2)
+            time.sleep(0.1)
         raise SandboxError(f"the clone's inherited processes could not be replaced: {last}")
+
+    @staticmethod
+    def _wait_console(h: Handle, marker: str, deadline: float) -> None:
+        seen = ""
+        with vm.Qmp(h.data["qmp_sock"], timeout=5.0) as q:
+            while time.monotonic() < deadline:
+                seen = (seen + q.execute("ringbuf-read", device="console", size=65536, format="utf8"))[-4096:]
+                if marker in seen:
+                    return
+                time.sleep(0.05)
+        raise SandboxError("the clone's inherited processes were not killed in time")
 
     def _setup_guest(self, h: Handle, spec: SandboxSpec, *, mac: str, ip: str, gateway_ip: str) -> None:
         ch = self._channel(h)

@@ -21,7 +21,16 @@ from sandbox_runtime.microvm import snapshot as vmsnap
 from sandbox_runtime import vmdisk
 from tests.sandbox_runtime.daemonlab import (lab_policy, put_placeholder_secret, runtime_api, runtime_daemon,
                                              runtime_settings)
-from tests.sandbox_runtime.daemonlab import sandbox_cli as cli
+from tests.sandbox_runtime.daemonlab import sandbox_cli as _cli
+
+
+def cli(*a, **k):
+    import time
+    t0 = time.monotonic()
+    try:
+        return _cli(*a, **k)
+    finally:
+        print(f"CLI {time.monotonic()-t0:.2f} {a[2:4]}")
 
 CACHE = Path(os.environ.get("CUBEGATE_TEMPLATE_CACHE", "/var/cache/cubegate/templates"))
 TPORT, API_PORT = 18088, 18089
@@ -88,6 +97,13 @@ def rt(lab, tmp_path_factory, agent_binary):
     TemplateStore(CACHE).build("base")          # cached on this machine: returns at once
     if not assets.assets_ready(assets.DEFAULT_ASSETS_DIR, agent_binary)[0]:
         assets.build(assets.DEFAULT_ASSETS_DIR, agent=agent_binary, force=True)
+    # the disk image and the boot snapshot of `base` (cached: at once when warm; cold: the
+    # accelerator probe and one boot, longer than an API call may take)
+    from sandbox_runtime.backend import Limits
+    from sandbox_runtime.microvm import MicrovmBackend
+    warm = MicrovmBackend(tmp_path_factory.mktemp("warm"), assets.DEFAULT_ASSETS_DIR, agent_binary=agent_binary,
+                          templates=TemplateStore(CACHE))
+    warm.template_for(Limits(), warm._rootfs("base"))
     settings = runtime_settings(API_PORT, memory_mb=3072, cpus=2.0, max_sandboxes=6, host_reserve_mb=256,
                                 backends=["microvm"], default_backend="microvm",
                                 microvm_assets=str(assets.DEFAULT_ASSETS_DIR),
@@ -102,7 +118,16 @@ def api(lab, gw, method: str, path: str, **kw) -> httpx.Response:
     return runtime_api(lab, gw, API_PORT, method, path, **kw)
 
 
+import time as _time
 def sh(lab, gw, sid: str, script: str) -> str:
+    t0 = _time.monotonic()
+    try:
+        return _sh(lab, gw, sid, script)
+    finally:
+        print(f"SH {_time.monotonic()-t0:.2f} {script[:50]}")
+
+
+def _sh(lab, gw, sid: str, script: str) -> str:
     r = api(lab, gw, "POST", f"/sandboxes/{sid}/exec", json={"argv": ["sh", "-c", script], "timeout": 30})
     assert r.status_code == 200 and r.json()["exit_code"] == 0, (script, r.text)
     return r.json()["stdout"]
@@ -113,6 +138,14 @@ def _sid(tag: str) -> str:
 
 
 def create(lab, gw, sid: str) -> dict:
+    t0 = _time.monotonic()
+    try:
+        return _create(lab, gw, sid)
+    finally:
+        print(f"CREATE {_time.monotonic()-t0:.2f}")
+
+
+def _create(lab, gw, sid: str) -> dict:
     r = api(lab, gw, "POST", "/sandboxes", json={"id": sid, "tenant": "acme", "template": "base",
                                                   "secret_env": {"OPENAI_API_KEY": "openai"}})
     assert r.status_code == 201, r.text
@@ -165,15 +198,13 @@ def test_snapshot_then_clones_each_with_its_own_identity_and_no_parent_state(rt,
     parent, clones = _sid("p"), [_sid("c1"), _sid("c2")]
     try:
         p = create(lab, gw, parent)
-        p_ph = sh(lab, gw, parent, "echo $OPENAI_API_KEY").strip()
+        p_ph = sh(lab, gw, parent, "echo $OPENAI_API_KEY > key.txt; echo kept > /etc/mark; "
+                                   "(OPENAI_API_KEY=$OPENAI_API_KEY sleep 301 >/dev/null 2>&1 &); cat key.txt").strip()
         assert p_ph.startswith("cgph_")
-        sh(lab, gw, parent, "echo $OPENAI_API_KEY > key.txt; echo kept > /etc/mark; "
-                            "(OPENAI_API_KEY=$OPENAI_API_KEY sleep 301 >/dev/null 2>&1 &)")
         assert "sleep 301" in procs(lab, gw, parent)
         snap = json.loads(cli(lab, gw, "snapshot", parent, "--json").stdout)
         assert snap["sandbox"] == parent and snap["backend"] == "microvm" and snap["template"] == "base"
         assert snap["size_bytes"] > 1 << 20                                   # guest memory, not a stub
-        assert sh(lab, gw, parent, "cat /etc/mark").strip() == "kept"         # the parent runs on
         out = json.loads(cli(lab, gw, "clone", snap["id"], *clones, "--secret-env", "OPENAI_API_KEY=openai",
                              "--json").stdout)
         assert [c["id"] for c in out] == clones and all(c["state"] == "running" for c in out)
@@ -182,27 +213,29 @@ def test_snapshot_then_clones_each_with_its_own_identity_and_no_parent_state(rt,
         for c in clones:
             r = sh(lab, gw, c, "cat /etc/mark /etc/hostname /proc/sys/kernel/hostname; echo $HOSTNAME; "
                                "echo $OPENAI_API_KEY; cat key.txt; /run/cubegate/bin/ip -4 addr show eth0 | "
-                               "sed -n 's/.*inet \\([0-9.]*\\).*/\\1/p'")
-            mark, hostname, uts, env_host, env_ph, file_ph, addr = r.split()
+                               "sed -n 's/.*inet \\([0-9.]*\\).*/\\1/p'; echo SEP$((6*7)); "
+                               # all it wrote is in its writable layer (the template cannot hold it)
+                               f"grep -rl {p_ph} /run/cubegate/rw/upper; echo SEP$((6*7)); "
+                               "cat /proc/[0-9]*/cmdline | tr '\\0' ' '")
+            ident, found, ps = r.split("SEP42")
+            mark, hostname, uts, env_host, env_ph, file_ph, addr = ident.split()
             assert mark == "kept"                                              # the snapshot's disk state
             assert hostname == uts == env_host == c                            # its own identity
             assert addr == next(x["ip"] for x in out if x["id"] == c)           # re-addressed
             assert env_ph.startswith("cgph_") and env_ph not in seen and file_ph == env_ph
             seen.add(env_ph)
-            # the parent's processes (their env held its placeholder) did not come along
-            assert "sleep 301" not in procs(lab, gw, c)
-            assert sh(lab, gw, c, f"grep -rl {p_ph} /workspace /etc /tmp /root 2>/dev/null; true") == ""
-            # a clone sending the parent's placeholder is still itself to the gateway (identity is
-            # its address, which the switch pins): audited under its own id
-            sh(lab, gw, c, f"curl -s -o /dev/null --max-time 10 -H 'Authorization: Bearer {p_ph}' "
-                           f"https://echo.allowed.test/clone-{c}")
-            rec = gw.wait_record(lambda x: x["event"] == "request" and x.get("path") == f"/clone-{c}")
-            assert rec["sandbox"] == c, rec
-            # its own placeholder headed to an unbound host: its own leak
-            code = sh(lab, gw, c, "curl -s -o /dev/null -w '%{http_code}' --max-time 10 -H "
-                                  f"\"Authorization: Bearer $OPENAI_API_KEY\" http://api.allowed.test/leak-{c}")
-            assert code == "403", code
-            rec = gw.wait_record(lambda x: x.get("path") == f"/leak-{c}" and x["decision"] == "deny")
+            assert found.strip() == ""                   # no file holds the parent's placeholder
+            assert "sleep 301" not in ps                 # nor does a process (theirs did not come along)
+            # the parent's placeholder is nobody's leak here and names nobody: a clone sending it is
+            # itself to the gateway (identity is its address, which the switch pins); its own
+            # placeholder headed to an unbound host is its own leak
+            codes = sh(lab, gw, c, "for h in 'X-Key: " + p_ph + "' \"Authorization: Bearer $OPENAI_API_KEY\"; do "
+                                   "curl -s -o /dev/null -w '%{http_code} ' --max-time 10 -H \"$h\" "
+                                   f"http://api.allowed.test/ph-$((i=i+1))-{c}; done").split()
+            assert codes == ["200", "403"], codes
+            rec = gw.wait_record(lambda x: x["event"] == "request" and x.get("path") == f"/ph-1-{c}")
+            assert rec["sandbox"] == c and rec["decision"] == "allow", rec
+            rec = gw.wait_record(lambda x: x.get("path") == f"/ph-2-{c}" and x["decision"] == "deny")
             assert rec["sandbox"] == c and rec["reason"] == "credential_leak", rec
         assert "sleep 301" in procs(lab, gw, parent)                           # the parent untouched
         # a clone must restore into the snapshot's memory size: refused, clearly, nothing left
@@ -213,6 +246,7 @@ def test_snapshot_then_clones_each_with_its_own_identity_and_no_parent_state(rt,
         assert api(lab, gw, "GET", f"/sandboxes/{bad}").status_code == 404
         assert SECRET not in gw.log_path.read_text(errors="replace")
     finally:
+        print("\n".join(l for l in gw.log().splitlines() if "cubegate.microvm" in l))
         rm(lab, gw, parent, *clones)
 
 
