@@ -29,7 +29,7 @@ from pathlib import Path
 
 from sandbox_runtime import cgroups, ids, vmdisk
 from sandbox_runtime.uids import sandbox_uid
-from sandbox_runtime.backend import ExecResult, Handle, Limits, SandboxError, SandboxSpec
+from sandbox_runtime.backend import ExecResult, Handle, Limits, NotSupported, SandboxError, SandboxSpec
 from sandbox_runtime.templates import trust as tpl_trust
 
 from . import assets, netplumb, template, vm
@@ -173,7 +173,7 @@ class MicrovmBackend:
                               template_key=rootfs.key if rootfs is not None else None,
                               disk_exists=bool(snap.disk) and Path(snap.disk).is_file())
         if why:
-            raise SandboxError(why)
+            raise NotSupported(why)      # a property a restore cannot have: refused, nothing started
         return template.Template(snapshot=str(Path(spec.seed_layer) / MEMORY), accel=snap.accel,
                                  memory_mb=snap.memory_mb, cpus=snap.cpus, tsc_khz=snap.tsc_khz,
                                  disk=snap.disk), snap

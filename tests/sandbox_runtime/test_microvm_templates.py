@@ -21,16 +21,7 @@ from sandbox_runtime.microvm import snapshot as vmsnap
 from sandbox_runtime import vmdisk
 from tests.sandbox_runtime.daemonlab import (lab_policy, put_placeholder_secret, runtime_api, runtime_daemon,
                                              runtime_settings)
-from tests.sandbox_runtime.daemonlab import sandbox_cli as _cli
-
-
-def cli(*a, **k):
-    import time
-    t0 = time.monotonic()
-    try:
-        return _cli(*a, **k)
-    finally:
-        print(f"CLI {time.monotonic()-t0:.2f} {a[2:4]}")
+from tests.sandbox_runtime.daemonlab import sandbox_cli as cli
 
 CACHE = Path(os.environ.get("CUBEGATE_TEMPLATE_CACHE", "/var/cache/cubegate/templates"))
 TPORT, API_PORT = 18088, 18089
@@ -118,16 +109,7 @@ def api(lab, gw, method: str, path: str, **kw) -> httpx.Response:
     return runtime_api(lab, gw, API_PORT, method, path, **kw)
 
 
-import time as _time
 def sh(lab, gw, sid: str, script: str) -> str:
-    t0 = _time.monotonic()
-    try:
-        return _sh(lab, gw, sid, script)
-    finally:
-        print(f"SH {_time.monotonic()-t0:.2f} {script[:50]}")
-
-
-def _sh(lab, gw, sid: str, script: str) -> str:
     r = api(lab, gw, "POST", f"/sandboxes/{sid}/exec", json={"argv": ["sh", "-c", script], "timeout": 30})
     assert r.status_code == 200 and r.json()["exit_code"] == 0, (script, r.text)
     return r.json()["stdout"]
@@ -138,14 +120,6 @@ def _sid(tag: str) -> str:
 
 
 def create(lab, gw, sid: str) -> dict:
-    t0 = _time.monotonic()
-    try:
-        return _create(lab, gw, sid)
-    finally:
-        print(f"CREATE {_time.monotonic()-t0:.2f}")
-
-
-def _create(lab, gw, sid: str) -> dict:
     r = api(lab, gw, "POST", "/sandboxes", json={"id": sid, "tenant": "acme", "template": "base",
                                                   "secret_env": {"OPENAI_API_KEY": "openai"}})
     assert r.status_code == 201, r.text
@@ -169,7 +143,6 @@ def test_a_microvm_boots_the_base_template_and_goes_out_through_the_gateway(rt, 
         out = sh(lab, gw, sid, "uname -r; . /etc/os-release; echo $VERSION_CODENAME; command -v git; command -v curl; "
                                "test -e /usr/bin/qemu-system-x86_64 || echo no-host-usr; cat /etc/hostname; "
                                "grep -c ' / overlay ' /proc/mounts; touch /usr/x && echo writable")
-        assert len(out.split()) == 8, repr(out)
         kernel, codename, git, curl, host_usr, hostname, overlay, writable = out.split()
         assert kernel.endswith("cloud-amd64") and codename == "bookworm"        # the template, in a guest kernel
         assert (git, curl) == ("/usr/bin/git", "/usr/bin/curl") and host_usr == "no-host-usr"
@@ -242,11 +215,10 @@ def test_snapshot_then_clones_each_with_its_own_identity_and_no_parent_state(rt,
         bad = _sid("m")
         r = api(lab, gw, "POST", f"/snapshots/{snap['id']}/clone",
                 json={"ids": [bad], "limits": {"memory_mb": 512}})
-        assert r.status_code in (400, 500, 501) and "256 MB" in r.text, r.text
+        assert r.status_code == 501 and "256 MB" in r.json()["message"], r.text
         assert api(lab, gw, "GET", f"/sandboxes/{bad}").status_code == 404
         assert SECRET not in gw.log_path.read_text(errors="replace")
     finally:
-        print("\n".join(l for l in gw.log().splitlines() if "cubegate.microvm" in l))
         rm(lab, gw, parent, *clones)
 
 
