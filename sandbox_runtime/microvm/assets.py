@@ -196,7 +196,9 @@ hostname "$6"
 
 # A clone must not run on with its parent's processes (their memory and env hold the parent's
 # placeholders and identity): kill every process but init, the agent included (init starts a
-# fresh one). In the background after a pause, so the agent can answer this exec first.
+# fresh one). kill(-1) signals them all in one sweep under the kernel's task list lock, and a
+# fork with a fatal signal pending fails, so nothing escapes by forking. In the background
+# after a pause, so the agent can answer this exec first.
 FRESH = r"""#!/bin/sh
 # usage: cg-fresh TOKEN   (prints the pid of the agent that ran it; says "cubegate-fresh TOKEN"
 # on the console, which the host reads through QMP, when it is done)
@@ -207,28 +209,7 @@ if [ "$1" != now ]; then
   exit 0
 fi
 sleep 0.2
-agent=/run/cubegate/sbin/cubegate-agent
-round=0
-while [ $round -lt 8 ]; do
-  left=0
-  for d in /proc/[0-9]*; do
-    p=${d#/proc/}
-    [ "$p" = 1 ] || [ "$p" = $$ ] && continue
-    [ -e "$d/exe" ] || continue           # kernel threads and zombies have no exe (no forks here: TCG)
-    if [ $round -gt 0 ]; then
-      # what survived the first round was forked meanwhile; but the agent init started anew,
-      # and what it runs for the host, stay
-      [ "$d/exe" -ef "$agent" ] && continue
-      pp=0
-      while read -r k v; do [ "$k" = PPid: ] && pp=$v && break; done < "$d/status"
-      [ "/proc/$pp/exe" -ef "$agent" ] && continue
-    fi
-    kill -9 "$p" 2>/dev/null && left=1
-  done
-  [ $left = 0 ] && break
-  round=$((round+1))
-  sleep 0.05
-done
+kill -9 -1
 echo 3 > /proc/sys/vm/drop_caches
 echo "cubegate-fresh $2" > /dev/ttyS0
 """

@@ -60,6 +60,14 @@ def test_a_template_vm_boots_the_read_only_disk():
     assert "-drive" not in plain and "cubegate.root" not in plain[plain.index("-append") + 1]
 
 
+def test_a_changed_guest_script_makes_the_assets_stale(monkeypatch):
+    from sandbox_runtime.microvm import assets
+    before = assets.layout_hash()
+    monkeypatch.setitem(assets.SCRIPTS, "cg-fresh", assets.SCRIPTS["cg-fresh"] + "# changed\n")
+    assert assets.layout_hash() != before
+    assert "kill -9 -1" in assets.script("cg-fresh")      # one sweep: a fork cannot escape it
+
+
 def test_a_snapshot_restores_only_into_the_guest_that_wrote_it():
     s = vmsnap.VmSnapshot(sandbox="a", assets_hash="h", qemu="7.2", accel="tcg", memory_mb=256, cpus=1,
                           tsc_khz=1, template="base", template_key="k1", disk="/img")
