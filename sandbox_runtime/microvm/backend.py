@@ -249,7 +249,8 @@ class MicrovmBackend:
         r = self._channel(h).exec(lambda c: c.exec(argv, timeout=timeout, stdin=stdin, cwd="/",
                                                    env={"PATH": "/run/cubegate/bin:/run/cubegate/sbin"}))
         if r.exit_code != 0:
-            raise SandboxError(f"guest {argv[1].rsplit('/', 1)[-1]} failed ({r.exit_code}): "
+            what = next((a.rsplit("/", 1)[-1] for a in argv[1:] if a.startswith(TOOLS)), "command")
+            raise SandboxError(f"guest {what} failed ({r.exit_code}): "
                                f"{r.stderr.decode(errors='replace')[-300:]}")
         return r.stdout
 
@@ -424,6 +425,7 @@ class MicrovmBackend:
             ch.close()
             if not paused:
                 time.sleep(RECONNECT_GAP_S)
+        t0 = time.monotonic()
         fd = os.open(dest / MEMORY, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             with vm.Qmp(h.data["qmp_sock"], timeout=10.0) as q:
@@ -435,6 +437,8 @@ class MicrovmBackend:
         finally:
             os.close(fd)
         meta.save(dest)
+        log.info("sandbox %s: snapshot of %.1f MB in %.0f ms", h.sandbox_id, (dest / MEMORY).stat().st_size / 1e6,
+                 (time.monotonic() - t0) * 1000)
         return {"template": meta.template, "template_key": meta.template_key, "layer_uid": None}
 
     def rollback(self, h: Handle, *, seed_layer: str, seed_uid: int | None, seed_template_key: str | None,

@@ -4,7 +4,9 @@ Probe: /dev/kvm existing says nothing here (PVM hosts: a stock kernel under KVM 
 so boot the real guest with each accelerator and keep the faster one; KVM only gets as
 long as TCG needed. Cached per assets hash in <assets>/accel.json.
 
-Template: boot once per (assets hash, memory, cpus, accelerator), wait for the agent,
+Template (a boot snapshot; not to be confused with a rootfs template, which it may boot as
+its read-only root disk): boot once per (assets hash, memory, cpus, accelerator, root disk
+key), wait for the agent,
 disconnect, stop, migrate the whole VM state to a file. Sandboxes start with -incoming
 from it. Built under an exclusive lock; written to a temp name then renamed.
 """

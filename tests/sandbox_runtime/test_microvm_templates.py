@@ -142,36 +142,43 @@ def procs(lab, gw, sid: str) -> str:
     return sh(lab, gw, sid, "cat /proc/[0-9]*/cmdline | tr '\\0' ' '")
 
 
-def test_a_microvm_boots_the_base_template_and_goes_out_through_the_gateway(rt, lab):
-    gw, sw = rt
+@pytest.fixture(scope="module")
+def vmsb(rt, lab):
+    """One sandbox on `base` for the boot and the rollback tests (a start is seconds under TCG)."""
+    gw, _ = rt
     sid = _sid("b")
+    sb = create(lab, gw, sid)
     try:
-        sb = create(lab, gw, sid)
-        assert sb["template"] == "base" and sb["backend"] == "microvm"
-        out = sh(lab, gw, sid, "uname -r; . /etc/os-release; echo $VERSION_CODENAME; command -v git; command -v curl; "
-                               "test -e /usr/bin/qemu-system-x86_64 || echo no-host-usr; cat /etc/hostname; "
-                               "grep -c ' / overlay ' /proc/mounts; touch /usr/x && echo writable")
-        kernel, codename, git, curl, host_usr, hostname, overlay, writable = out.split()
-        assert kernel.endswith("cloud-amd64") and codename == "bookworm"        # the template, in a guest kernel
-        assert (git, curl) == ("/usr/bin/git", "/usr/bin/curl") and host_usr == "no-host-usr"
-        assert hostname == sid and overlay == "1" and writable == "writable"   # a writable layer over the image
-        # the gateway's CA is trusted in the template's system bundle (curl, git, Python read it)
-        assert sh(lab, gw, sid, "echo $SSL_CERT_FILE; grep -c 'BEGIN CERT' /etc/ssl/certs/ca-certificates.crt") \
-            .split()[0] == "/etc/ssl/certs/ca-certificates.crt"
-        # allowed: through the transparent gateway, with injection (MITM with the gateway's CA)
-        seen = json.loads(sh(lab, gw, sid, "curl -sS --max-time 15 -H \"Authorization: Bearer $OPENAI_API_KEY\" "
-                                           f"https://echo.allowed.test/vm-{sid}"))
-        assert [v for k, v in seen["header_list"] if k.lower() == "authorization"] == ["Bearer [REDACTED]"]
-        rec = gw.wait_record(lambda x: x["event"] == "request" and x.get("path") == f"/vm-{sid}")
-        assert rec["sandbox"] == sid and rec["extra"]["secret"] == "openai", rec
-        # denied: refused, audited under its id
-        code = sh(lab, gw, sid, "curl -s -o /dev/null -w '%{http_code}' --max-time 10 https://denied.test/x; true")
-        assert code != "200", code
-        rec = gw.wait_record(lambda x: x.get("host") == "denied.test" and x.get("sandbox") == sid)
-        assert rec["decision"] == "deny", rec
-        assert SECRET not in gw.log_path.read_text(errors="replace")
+        yield sb
     finally:
         rm(lab, gw, sid)
+
+
+def test_a_microvm_boots_the_base_template_and_goes_out_through_the_gateway(rt, lab, vmsb):
+    gw, sw = rt
+    sid = vmsb["id"]
+    assert vmsb["template"] == "base" and vmsb["backend"] == "microvm"
+    out = sh(lab, gw, sid, "uname -r; . /etc/os-release; echo $VERSION_CODENAME; command -v git; command -v curl; "
+                           "test -e /usr/bin/qemu-system-x86_64 || echo no-host-usr; cat /etc/hostname; "
+                           "grep -c ' / overlay ' /proc/mounts; touch /usr/x && echo writable; echo $SSL_CERT_FILE")
+    kernel, codename, git, curl, host_usr, hostname, overlay, writable, cafile = out.split()
+    assert kernel.endswith("cloud-amd64") and codename == "bookworm"        # the template, in a guest kernel
+    assert (git, curl) == ("/usr/bin/git", "/usr/bin/curl") and host_usr == "no-host-usr"
+    assert hostname == sid and overlay == "1" and writable == "writable"   # a writable layer over the image
+    assert cafile == "/etc/ssl/certs/ca-certificates.crt"
+    # the gateway's CA is in the template's system bundle: an intercepted request verifies, and
+    # gets the credential injected; audited under its id
+    seen = json.loads(sh(lab, gw, sid, "curl -sS --max-time 15 -H \"Authorization: Bearer $OPENAI_API_KEY\" "
+                                       f"https://echo.allowed.test/vm-{sid}"))
+    assert [v for k, v in seen["header_list"] if k.lower() == "authorization"] == ["Bearer [REDACTED]"]
+    rec = gw.wait_record(lambda x: x["event"] == "request" and x.get("path") == f"/vm-{sid}")
+    assert rec["sandbox"] == sid and rec["extra"]["secret"] == "openai", rec
+    # denied: refused, audited under its id
+    code = sh(lab, gw, sid, "curl -s -o /dev/null -w '%{http_code}' --max-time 10 https://denied.test/x; true")
+    assert code != "200", code
+    rec = gw.wait_record(lambda x: x.get("host") == "denied.test" and x.get("sandbox") == sid)
+    assert rec["decision"] == "deny", rec
+    assert SECRET not in gw.log_path.read_text(errors="replace")
 
 
 def test_snapshot_then_clones_each_with_its_own_identity_and_no_parent_state(rt, lab):
@@ -230,26 +237,22 @@ def test_snapshot_then_clones_each_with_its_own_identity_and_no_parent_state(rt,
         rm(lab, gw, parent, *clones)
 
 
-def test_rollback_restores_memory_and_disk_and_keeps_identity(rt, lab):
+def test_rollback_restores_memory_and_disk_and_keeps_identity(rt, lab, vmsb):
     gw, sw = rt
-    sid = _sid("r")
-    try:
-        sb = create(lab, gw, sid)
-        ph = sh(lab, gw, sid, "echo $OPENAI_API_KEY").strip()
-        sh(lab, gw, sid, "echo one > a; echo one > /etc/state; (sleep 301 >/dev/null 2>&1 &)")
-        snap = json.loads(cli(lab, gw, "snapshot", sid, "--json").stdout)
-        sh(lab, gw, sid, "echo two > a; echo two > /etc/state; echo new > b; (sleep 302 >/dev/null 2>&1 &)")
-        cli(lab, gw, "rollback", sid, snap["id"])
-        r = sh(lab, gw, sid, "cat a /etc/state; test -e b && echo b-exists; echo $OPENAI_API_KEY; "
-                         "cat /proc/sys/kernel/hostname")
-        assert r.split() == ["one", "one", ph, sid], r                  # disk back, same env and identity
-        ps = procs(lab, gw, sid)
-        assert "sleep 301" in ps and "sleep 302" not in ps              # a memory snapshot: processes too
-        got = api(lab, gw, "GET", f"/sandboxes/{sid}").json()
-        assert got["state"] == "running" and got["ip"] == sb["ip"] and sw.lookup_by_ip(sb["ip"]) == sid
-        assert sh(lab, gw, sid, "curl -s -o /dev/null -w '%{http_code}' --max-time 10 "
-                                f"http://api.allowed.test/after-rollback-{sid}") == "200"
-        rec = gw.wait_record(lambda x: x.get("path") == f"/after-rollback-{sid}")
-        assert rec["sandbox"] == sid, rec
-    finally:
-        rm(lab, gw, sid)
+    sid, sb = vmsb["id"], vmsb
+    ph = sh(lab, gw, sid, "echo one > a; echo one > /etc/state; (sleep 301 >/dev/null 2>&1 &); "
+                          "echo $OPENAI_API_KEY").strip()
+    snap = json.loads(cli(lab, gw, "snapshot", sid, "--json").stdout)
+    sh(lab, gw, sid, "echo two > a; echo two > /etc/state; echo new > b; (sleep 302 >/dev/null 2>&1 &)")
+    cli(lab, gw, "rollback", sid, snap["id"])
+    r = sh(lab, gw, sid, "cat a /etc/state; test -e b && echo b-exists; echo $OPENAI_API_KEY; "
+                         "cat /proc/sys/kernel/hostname; curl -s -o /dev/null -w '%{http_code}\\n' --max-time 10 "
+                         f"http://api.allowed.test/after-rollback-{sid}; echo SEP$((6*7)); "
+                         "cat /proc/[0-9]*/cmdline | tr '\\0' ' '")
+    state, ps = r.split("SEP42")
+    assert state.split() == ["one", "one", ph, sid, "200"], r       # disk back, same env, identity, network
+    assert "sleep 301" in ps and "sleep 302" not in ps              # a memory snapshot: processes too
+    got = api(lab, gw, "GET", f"/sandboxes/{sid}").json()
+    assert got["state"] == "running" and got["ip"] == sb["ip"] and sw.lookup_by_ip(sb["ip"]) == sid
+    rec = gw.wait_record(lambda x: x.get("path") == f"/after-rollback-{sid}")
+    assert rec["sandbox"] == sid, rec
