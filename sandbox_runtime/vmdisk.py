@@ -10,6 +10,7 @@ whose writable layer is guest memory (assets.INIT); the image itself never chang
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import shutil
 import subprocess
@@ -30,6 +31,17 @@ class DiskError(RuntimeError):
 
 def image_path(template_dir: Path) -> Path:
     return Path(template_dir) / f"rootfs.{FORMAT}.ext4"
+
+
+def image_id(img: Path) -> str | None:
+    """Which build of the image this is (None: there is none). A memory snapshot holds the
+    guest's cache of the disk: it may only be restored over the very image it was taken on,
+    and a template rebuilt under the same key (newer packages) gives a new image."""
+    try:
+        st = os.stat(img)
+    except OSError:
+        return None
+    return hashlib.sha256(f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}".encode()).hexdigest()[:16]
 
 
 def tree_usage(root: Path) -> tuple[int, int]:

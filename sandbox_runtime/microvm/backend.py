@@ -138,10 +138,11 @@ class MicrovmBackend:
             raise SandboxError(why)
         man = assets.Manifest.load(self.assets_dir)
         disk = str(self._image(rootfs)) if rootfs is not None else None
+        # the boot snapshot holds the guest's cache of the disk: keyed by the image build too
+        disk_key = rootfs.key[:8] + (vmdisk.image_id(disk) or "")[:8] if disk else None
         return template.ensure_template(self.assets_dir, man, str(self.agent_binary),
                                         memory_mb=limits.memory_mb, cpus=vm_cpus(limits.cpus),
-                                        accel=self.accel()["accel"], disk=disk,
-                                        disk_key=rootfs.key if rootfs is not None else None)
+                                        accel=self.accel()["accel"], disk=disk, disk_key=disk_key)
 
     def _rootfs(self, name: str):
         if self.templates is None:
@@ -171,7 +172,7 @@ class MicrovmBackend:
         why = incompatibility(snap, assets_hash=assets.Manifest.load(self.assets_dir).hash, qemu=vm.qemu_version(),
                               memory_mb=spec.limits.memory_mb, cpus=spec.limits.cpus,
                               template_key=rootfs.key if rootfs is not None else None,
-                              disk_exists=bool(snap.disk) and Path(snap.disk).is_file())
+                              disk_id=vmdisk.image_id(Path(snap.disk)) if snap.disk else None)
         if why:
             raise NotSupported(why)      # a property a restore cannot have: refused, nothing started
         return template.Template(snapshot=str(Path(spec.seed_layer) / MEMORY), accel=snap.accel,
@@ -220,7 +221,8 @@ class MicrovmBackend:
                 os.close(snap_fd)
             h.data.update(pid=pid, agent_sock=cfg.agent_sock, qmp_sock=cfg.qmp_sock, accel=tpl.accel,
                           template_snapshot=tpl.snapshot, memory_mb=tpl.memory_mb, cpus=tpl.cpus,
-                          tsc_khz=tpl.tsc_khz, disk=tpl.disk)
+                          tsc_khz=tpl.tsc_khz, disk=tpl.disk,
+                          disk_id=vmdisk.image_id(Path(tpl.disk)) if tpl.disk else None)
             deadline = time.monotonic() + RESTORE_TIMEOUT
             with vm.Qmp(cfg.qmp_sock) as q:
                 st = vm.wait_status(q, {"paused", "running", "postmigrate"}, RESTORE_TIMEOUT)
@@ -416,7 +418,7 @@ class MicrovmBackend:
         meta = VmSnapshot(sandbox=h.sandbox_id, assets_hash=assets.Manifest.load(self.assets_dir).hash,
                           qemu=vm.qemu_version(), accel=h.data["accel"], memory_mb=h.data["memory_mb"],
                           cpus=h.data["cpus"], tsc_khz=h.data["tsc_khz"], template=tpl.get("name"),
-                          template_key=tpl.get("key"), disk=h.data.get("disk"))
+                          template_key=tpl.get("key"), disk=h.data.get("disk"), disk_id=h.data.get("disk_id"))
         paused = bool(h.data.get("paused"))
         # a restore starts with the host side of the agent port disconnected, as a boot snapshot does
         with self._lock:

@@ -33,6 +33,7 @@ class VmSnapshot:
     template: str | None         # rootfs template name / key / image; None: initramfs only
     template_key: str | None
     disk: str | None
+    disk_id: str | None = None   # vmdisk.image_id of that image when the snapshot was taken
 
     def save(self, layer: Path) -> None:
         (Path(layer) / META).write_text(json.dumps(asdict(self)))
@@ -47,7 +48,8 @@ def vm_cpus(cpus: float) -> int:
 
 
 def incompatibility(snap: VmSnapshot, *, assets_hash: str, qemu: str, memory_mb: int, cpus: float,
-                    template_key: str | None, disk_exists: bool) -> str | None:
+                    template_key: str | None, disk_id: str | None) -> str | None:
+    """disk_id: vmdisk.image_id of the image at snap.disk now (None: missing)."""
     """Why `snap` cannot be restored as asked (None: it can)."""
     if (snap.assets_hash, snap.qemu) != (assets_hash, qemu):
         return ("the microVM guest assets or QEMU changed since the snapshot was taken "
@@ -58,8 +60,10 @@ def incompatibility(snap: VmSnapshot, *, assets_hash: str, qemu: str, memory_mb:
     if snap.template_key != template_key:
         return (f"template {snap.template!r} was rebuilt since the snapshot was taken "
                 "(its memory belongs to the old build)")
-    if snap.disk and not disk_exists:
+    if snap.disk and disk_id is None:
         return f"the root disk of template {snap.template!r} is gone (template removed?)"
+    if snap.disk and disk_id != snap.disk_id:
+        return f"the root disk of template {snap.template!r} was rebuilt since the snapshot was taken"
     return None
 
 

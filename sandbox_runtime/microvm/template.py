@@ -173,19 +173,23 @@ def ensure_template(assets_dir: Path, man: Manifest, agent: str, *, memory_mb: i
                 snap.unlink()
 
 
-def _disk_gone(d: Path) -> bool:
+def _disk(d: Path) -> str | None:
     with suppress(OSError, ValueError, KeyError, TypeError):
-        disk = json.loads((d / "template.json").read_text()).get("disk")
-        return bool(disk) and not Path(disk).exists()
-    return False
+        return json.loads((d / "template.json").read_text()).get("disk")
+    return None
 
 
 def _prune(current: Path, prefix: str) -> None:
     """Templates of older assets or another QEMU can never be used again, nor those whose root
-    disk is gone (template removed or rebuilt); each is the size of a guest's memory: remove
-    them. Restored VMs do not need their file any more."""
+    disk is gone (template removed) or was rebuilt (an older one on the same disk path); each
+    is the size of a guest's memory: remove them. Restored VMs do not need their file any more."""
+    mine = _disk(current)
     for p in current.parent.iterdir():
-        if p.is_dir() and (not p.name.startswith(prefix) or _disk_gone(p)):
+        if not p.is_dir() or p == current:
+            continue
+        disk = _disk(p)
+        same_vm = p.name.rsplit("-t", 1)[0] == current.name.rsplit("-t", 1)[0]    # accel, memory, cpus
+        if not p.name.startswith(prefix) or (disk and (not Path(disk).exists() or (same_vm and disk == mine))):
             shutil.rmtree(p, ignore_errors=True)
         elif p.name.endswith(".lock") and not p.name.startswith("." + prefix):
             with suppress(OSError):

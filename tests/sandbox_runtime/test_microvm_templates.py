@@ -43,6 +43,10 @@ def test_disk_image_size_leaves_room_and_mkfs_copies_the_tree_read_only(tmp_path
         img = vmdisk.ensure_image(tmp_path, tmp_path / "rootfs")
         assert img == vmdisk.image_path(tmp_path) and oct(img.stat().st_mode & 0o777) == "0o444"
         assert vmdisk.ensure_image(tmp_path, tmp_path / "rootfs") == img          # cached
+        first = vmdisk.image_id(img)
+        assert first and vmdisk.image_id(img) == first and vmdisk.image_id(tmp_path / "none") is None
+        img.unlink()
+        assert vmdisk.image_id(vmdisk.ensure_image(tmp_path, tmp_path / "rootfs")) != first    # a new build
         import subprocess
         out = subprocess.run(["debugfs", "-R", "cat /etc/os-release", str(img)], capture_output=True, text=True)
         assert out.stdout == "NAME=test\n"
@@ -68,16 +72,38 @@ def test_a_changed_guest_script_makes_the_assets_stale(monkeypatch):
     assert "kill -9 -1" in assets.script("cg-fresh")      # one sweep: a fork cannot escape it
 
 
+def test_boot_snapshots_of_a_rebuilt_or_removed_disk_are_pruned(tmp_path):
+    from sandbox_runtime.microvm import template
+    root = tmp_path / "templates"
+    root.mkdir()
+    img = tmp_path / "img"
+    img.write_text("x")
+
+    def mk(name, disk):
+        (root / name).mkdir()
+        (root / name / "template.json").write_text(json.dumps({"disk": disk}))
+        return root / name
+    mk("h-q7-tcg-256m-1c-tOLD", str(img))                  # same VM shape, older image build: gone
+    mk("h-q7-tcg-512m-1c-tOLD", str(img))                  # another memory size: kept
+    mk("h-q7-tcg-256m-1c-tGONE", str(tmp_path / "nope"))   # its disk removed: gone
+    mk("h-q7-tcg-256m-1c", None)                           # no disk: kept
+    mk("z-q7-tcg-256m-1c", None)                           # other assets: gone
+    template._prune(mk("h-q7-tcg-256m-1c-tNEW", str(img)), "h-q7-")
+    assert sorted(p.name for p in root.iterdir()) == ["h-q7-tcg-256m-1c", "h-q7-tcg-256m-1c-tNEW",
+                                                      "h-q7-tcg-512m-1c-tOLD"]
+
+
 def test_a_snapshot_restores_only_into_the_guest_that_wrote_it():
     s = vmsnap.VmSnapshot(sandbox="a", assets_hash="h", qemu="7.2", accel="tcg", memory_mb=256, cpus=1,
-                          tsc_khz=1, template="base", template_key="k1", disk="/img")
-    ok = dict(assets_hash="h", qemu="7.2", memory_mb=256, cpus=1.0, template_key="k1", disk_exists=True)
+                          tsc_khz=1, template="base", template_key="k1", disk="/img", disk_id="i1")
+    ok = dict(assets_hash="h", qemu="7.2", memory_mb=256, cpus=1.0, template_key="k1", disk_id="i1")
     assert vmsnap.incompatibility(s, **ok) is None
     assert vmsnap.incompatibility(s, **{**ok, "cpus": 0.5}) is None                # one vCPU either way
     assert "256 MB" in vmsnap.incompatibility(s, **{**ok, "memory_mb": 512})
     assert "rebuilt" in vmsnap.incompatibility(s, **{**ok, "template_key": "k2"})
     assert "assets or QEMU" in vmsnap.incompatibility(s, **{**ok, "qemu": "8.0"})
-    assert "gone" in vmsnap.incompatibility(s, **{**ok, "disk_exists": False})
+    assert "gone" in vmsnap.incompatibility(s, **{**ok, "disk_id": None})
+    assert "disk" in vmsnap.incompatibility(s, **{**ok, "disk_id": "i2"})    # same key, rebuilt image
     a, b = "cgph_" + "A" * 32, "cgph_" + "B" * 32
     assert vmsnap.token_pairs({a: b, b: b}) == [a, b]
     for bad in ({a: "cgph_x"}, {a: "cgph_" + "B" * 31 + "/"}, {"x$(id)xxxx": "yyyyyyyyyy"}):
