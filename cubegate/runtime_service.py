@@ -54,7 +54,9 @@ def make_backends(settings, ca_bundle: Path) -> dict:
                                          templates=TemplateStore(settings.template_cache_dir))
         elif name == "microvm":
             from sandbox_runtime.microvm.backend import MicrovmBackend
-            out[name] = MicrovmBackend(rdir / "microvm", settings.microvm_assets_dir, ca_bundle=ca_bundle)
+            from sandbox_runtime.templates import TemplateStore
+            out[name] = MicrovmBackend(rdir / "microvm", settings.microvm_assets_dir, ca_bundle=ca_bundle,
+                                       templates=TemplateStore(settings.template_cache_dir))
     return out
 
 

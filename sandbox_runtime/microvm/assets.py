@@ -32,13 +32,13 @@ KERNEL_META = "linux-image-cloud-amd64"
 BUSYBOX = Path("/bin/busybox")
 # Loaded in this order by /init (dependencies are checked against the .ko's modinfo at build).
 MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_console", "failover", "net_failover",
-           "virtio_net", "virtio-rng")
+           "virtio_net", "virtio-rng", "virtio_blk", "overlay")   # ext4 is built into the cloud kernel
 AGENT_PORT = "cubegate.agent"
 
 
 def default_assets_dir() -> Path:
     return DEFAULT_ASSETS_DIR
-FORMAT = 1   # bump when the guest layout changes: it is part of the assets hash
+FORMAT = 4   # bump when the guest layout changes: it is part of the assets hash
 
 
 # ------------------------------------------------------------------ pure: cpio (newc)
@@ -91,16 +91,52 @@ def check_module_order(order: Iterable[str], depends: dict[str, list[str]]) -> N
 
 # ------------------------------------------------------------------ pure: guest scripts
 INIT = r"""#!/bin/sh
-# cubegate microVM init: mount, load virtio modules, name the agent port, run the agent.
+# cubegate microVM init: mount, load virtio modules; with a root disk (a template), switch
+# into an overlay of it (read-only disk + tmpfs); then serve the agent (cg-serve).
 export PATH=/sbin:/bin
 mount -t proc proc /proc
 mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev
 mkdir -p /dev/pts /dev/shm /dev/virtio-ports
 mount -t devpts devpts /dev/pts
-mount -t tmpfs tmpfs /tmp
-mount -t tmpfs tmpfs /run
+mount -t tmpfs -o mode=0755 tmpfs /run
 for m in @MODULES@; do insmod /lib/modules/$m.ko 2>/dev/null; done
+for a in $(cat /proc/cmdline); do
+  case "$a" in cubegate.root=*) root=${a#*=};; esac
+done
+mkdir -p /run/cubegate
+if [ "$root" = vda ]; then
+  i=0
+  while [ ! -b /dev/vda ] && [ $i -lt 200 ]; do i=$((i+1)); sleep 0.02; done
+  mkdir -p /mnt/lower /mnt/rw /mnt/root
+  mount -t ext4 -o ro,noload /dev/vda /mnt/lower || { echo "cubegate: no root disk" > /dev/ttyS0; exit 1; }
+  # the writable layer: guest memory, so a memory snapshot holds it (its size: cg-setup)
+  mount -t tmpfs -o mode=0755 tmpfs /mnt/rw
+  mkdir -p /mnt/rw/upper /mnt/rw/work
+  mount -t overlay overlay -o lowerdir=/mnt/lower,upperdir=/mnt/rw/upper,workdir=/mnt/rw/work /mnt/root
+  R=/mnt/root
+  mkdir -p $R/run $R/proc $R/sys $R/dev $R/tmp $R/workspace
+  mount -t tmpfs -o mode=0755 tmpfs $R/run
+  mkdir -p $R/run/cubegate/bin $R/run/cubegate/sbin $R/run/cubegate/rw
+  # our tools, not the template's: the template only provides /usr, /etc, ...
+  cp /bin/busybox $R/run/cubegate/bin/busybox
+  for a in $(busybox --list); do [ "$a" = busybox ] || ln -s busybox $R/run/cubegate/bin/$a; done
+  cp /sbin/cg-* /sbin/cubegate-agent $R/run/cubegate/sbin/
+  mount --move /mnt/rw $R/run/cubegate/rw
+  mount --move /dev $R/dev
+  mount --move /proc $R/proc
+  mount --move /sys $R/sys
+  exec switch_root $R /run/cubegate/bin/sh /run/cubegate/sbin/cg-serve
+fi
+mount -t tmpfs tmpfs /tmp
+ln -s /bin /run/cubegate/bin
+ln -s /sbin /run/cubegate/sbin
+exec /bin/sh /sbin/cg-serve
+"""
+
+# PID 1 from here on (both modes): name the agent port, cold-boot network, serve the agent.
+SERVE = r"""#!/bin/sh
+export PATH=/run/cubegate/bin:/run/cubegate/sbin:/sbin:/bin
 ip link set lo up
 # udev normally names virtio ports; do it by hand (bounded wait for the device to appear)
 i=0
@@ -111,17 +147,17 @@ while [ $i -lt 200 ]; do
   [ -e /dev/virtio-ports/@PORT@ ] && break
   i=$((i+1)); sleep 0.05
 done
-# cold-boot network config from the kernel command line (templates use /sbin/cg-setup instead)
+# cold-boot network config from the kernel command line (templates use cg-setup instead)
 for a in $(cat /proc/cmdline); do
   case "$a" in cubegate.ip=*) ip=${a#*=};; cubegate.gw=*) gw=${a#*=};; esac
 done
-[ -n "$ip" ] && [ -n "$gw" ] && /sbin/cg-net "$ip" "$gw"
+[ -n "$ip" ] && [ -n "$gw" ] && /run/cubegate/bin/sh /run/cubegate/sbin/cg-net "$ip" "$gw"
 mkdir -p /workspace
 echo cubegate-init-ready > /dev/ttyS0 2>/dev/null
 # The agent exits when the host side of the port is not connected (read returns EOF at once):
-# respawn it, with a pause so an idle VM does not spin.
+# respawn it, with a pause so an idle VM does not spin. (Also after cg-fresh killed it.)
 while true; do
-  /sbin/cubegate-agent --serve-fd /dev/virtio-ports/@PORT@ </dev/null >/dev/null 2>&1
+  cubegate-agent --serve-fd /dev/virtio-ports/@PORT@ </dev/null >/dev/null 2>&1
   sleep 0.2
 done
 """
@@ -129,10 +165,12 @@ done
 # Network: the guest owns the sandbox address and MAC (cubevs checks both on every frame).
 NET = r"""#!/bin/sh
 # usage: cg-net IP GATEWAY [MAC]
+export PATH=/run/cubegate/bin:/run/cubegate/sbin:/sbin:/bin
 set -e
 ip link set eth0 down
 [ -n "$3" ] && ip link set eth0 address "$3"
 ip addr flush dev eth0
+ip route flush dev eth0 2>/dev/null || true
 ip addr add "$1/32" dev eth0
 ip link set eth0 up
 ip route add "$2/32" dev eth0 scope link
@@ -140,33 +178,87 @@ ip route add default via "$2" dev eth0 onlink
 echo "nameserver $2" > /etc/resolv.conf
 """
 
-# Run once after a template restore (the snapshot was taken before the sandbox existed).
+# Run after every restore (a template's, or a sandbox snapshot's for a clone or rollback).
 SETUP = r"""#!/bin/sh
-# usage: cg-setup EPOCH IP GATEWAY MAC DISK_MB   (seed bytes on stdin for the RNG)
+# usage: cg-setup EPOCH IP GATEWAY MAC DISK_MB HOSTNAME  (seed bytes on stdin for the RNG)
+export PATH=/run/cubegate/bin:/run/cubegate/sbin:/sbin:/bin
 set -e
 date -s "@$1" >/dev/null
 cat > /dev/urandom
-/sbin/cg-net "$2" "$3" "$4"
-grep -q " /workspace " /proc/mounts || mount -t tmpfs -o "size=$5m,mode=0755" tmpfs /workspace
+/run/cubegate/bin/sh /run/cubegate/sbin/cg-net "$2" "$3" "$4"
+if [ -d /run/cubegate/rw/upper ]; then
+  mount -o remount,size="$5m" /run/cubegate/rw
+else
+  grep -q " /workspace " /proc/mounts || mount -t tmpfs -o "size=$5m,mode=0755" tmpfs /workspace
+fi
+hostname "$6"
 """
+
+# A clone must not run on with its parent's processes (their memory and env hold the parent's
+# placeholders and identity): kill every process but init, the agent included (init starts a
+# fresh one). kill(-1) signals them all in one sweep under the kernel's task list lock, and a
+# fork with a fatal signal pending fails, so nothing escapes by forking. In the background
+# after a pause, so the agent can answer this exec first.
+FRESH = r"""#!/bin/sh
+# usage: cg-fresh TOKEN   (prints the pid of the agent that ran it; says "cubegate-fresh TOKEN"
+# on the console, which the host reads through QMP, when it is done)
+export PATH=/run/cubegate/bin:/run/cubegate/sbin:/sbin:/bin
+if [ "$1" != now ]; then
+  echo "$PPID"
+  /run/cubegate/bin/sh /run/cubegate/sbin/cg-fresh now "$1" </dev/null >/dev/null 2>&1 &
+  exit 0
+fi
+sleep 0.2
+kill -9 -1
+echo 3 > /proc/sys/vm/drop_caches
+echo "cubegate-fresh $2" > /dev/ttyS0
+"""
+
+# Files of the writable layer that hold the snapshotted sandbox's placeholders get the new
+# sandbox's (same length, [A-Za-z0-9_] only: checked by the host).
+RETOKEN = r"""#!/bin/sh
+# usage: cg-retoken OLD NEW [OLD NEW ...]
+export PATH=/run/cubegate/bin:/run/cubegate/sbin:/sbin:/bin
+if [ -d /run/cubegate/rw/upper ]; then dirs=/run/cubegate/rw/upper; else dirs="/workspace /tmp /etc /root"; fi
+while [ $# -ge 2 ]; do
+  grep -rlF -- "$1" $dirs 2>/dev/null | while IFS= read -r f; do sed -i "s/$1/$2/g" "$f"; done
+  shift 2
+done
+"""
+
+SCRIPTS = {"cg-serve": SERVE, "cg-net": NET, "cg-setup": SETUP, "cg-fresh": FRESH, "cg-retoken": RETOKEN}
+TOOLS = "/run/cubegate/sbin"     # where the host finds the scripts in either mode
+
+
+def layout_hash() -> str:
+    """The guest's scripts and modules: assets built from other ones are rebuilt (a changed
+    script must never be run from a stale initramfs)."""
+    h = hashlib.sha256(f"{FORMAT}\0{' '.join(MODULES)}\0{INIT}".encode())
+    for name in sorted(SCRIPTS):
+        h.update(f"\0{name}\0{SCRIPTS[name]}".encode())
+    return h.hexdigest()[:16]
 
 
 def init_script() -> str:
-    return INIT.replace("@MODULES@", " ".join(MODULES)).replace("@PORT@", AGENT_PORT)
+    return INIT.replace("@MODULES@", " ".join(MODULES))
+
+
+def script(name: str) -> str:
+    return SCRIPTS[name].replace("@PORT@", AGENT_PORT)
 
 
 def build_initramfs(busybox: bytes, applets: list[str], modules: dict[str, bytes], agent: bytes) -> bytes:
     c = Cpio()
     for d in ("bin", "sbin", "dev", "proc", "sys", "tmp", "run", "etc", "etc/ssl", "etc/ssl/certs",
-              "lib", "lib/modules", "root", "workspace", "usr", "usr/bin", "usr/sbin", "var", "var/tmp"):
+              "lib", "lib/modules", "root", "workspace", "usr", "usr/bin", "usr/sbin", "var", "var/tmp", "mnt"):
         c.dir(d, 0o1777 if d in ("tmp", "var/tmp") else 0o755)
     c.file("bin/busybox", busybox, 0o755)
     for a in applets:
         if a != "busybox":
             c.symlink(f"bin/{a}", "busybox")
     c.file("init", init_script().encode(), 0o755)
-    c.file("sbin/cg-net", NET.encode(), 0o755)
-    c.file("sbin/cg-setup", SETUP.encode(), 0o755)
+    for name in SCRIPTS:
+        c.file(f"sbin/{name}", script(name).encode(), 0o755)
     c.file("sbin/cubegate-agent", agent, 0o755)
     for name, data in modules.items():
         c.file(f"lib/modules/{name}.ko", data)
@@ -193,6 +285,7 @@ class Manifest:
     kernel_version: str
     agent_sha256: str
     format: int = FORMAT
+    layout: str = ""            # layout_hash() of the build
 
     @classmethod
     def load(cls, assets_dir: Path) -> "Manifest":
@@ -213,7 +306,7 @@ def assets_ready(assets_dir: Path, agent: Path | None = None) -> tuple[bool, str
         man = Manifest.load(d)
     except (OSError, ValueError, TypeError):
         return False, f"{d / 'manifest.json'} unreadable; run: python -m sandbox_runtime.microvm build"
-    if man.format != FORMAT:
+    if man.format != FORMAT or man.layout != layout_hash():
         return False, "microvm guest assets are from an older layout; run: python -m sandbox_runtime.microvm build"
     if agent is not None and Path(agent).is_file() and _sha256(agent) != man.agent_sha256:
         return False, "microvm guest assets embed another agent build; run: python -m sandbox_runtime.microvm build"
@@ -312,7 +405,7 @@ def build(dest: Path = DEFAULT_ASSETS_DIR, *, agent: Path = DEFAULT_AGENT, busyb
         h.update(initrd)
         h.update(str(FORMAT).encode())
         man = Manifest(hash=h.hexdigest()[:16], kernel=pkg, kernel_version=version,
-                       agent_sha256=hashlib.sha256(agent_bytes).hexdigest())
+                       agent_sha256=hashlib.sha256(agent_bytes).hexdigest(), layout=layout_hash())
         for name, data in (("vmlinuz", vmlinuz), ("initramfs.cpio.gz", initrd)):
             (Path(tmp) / name).write_bytes(data)
             os.replace(Path(tmp) / name, dest / name)

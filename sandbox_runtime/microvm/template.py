@@ -4,7 +4,9 @@ Probe: /dev/kvm existing says nothing here (PVM hosts: a stock kernel under KVM 
 so boot the real guest with each accelerator and keep the faster one; KVM only gets as
 long as TCG needed. Cached per assets hash in <assets>/accel.json.
 
-Template: boot once per (assets hash, memory, cpus, accelerator), wait for the agent,
+Template (a boot snapshot; not to be confused with a rootfs template, which it may boot as
+its read-only root disk): boot once per (assets hash, memory, cpus, accelerator, root disk
+key), wait for the agent,
 disconnect, stop, migrate the whole VM state to a file. Sandboxes start with -incoming
 from it. Built under an exclusive lock; written to a temp name then renamed.
 """
@@ -46,6 +48,7 @@ class Template:
     memory_mb: int
     cpus: int
     tsc_khz: int
+    disk: str | None = None      # the read-only root disk it booted with (a template's image)
 
 
 @contextmanager
@@ -59,9 +62,10 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def vm_config(assets_dir: Path, run_dir: str, *, memory_mb: int, cpus: int, accel: str, tsc: int) -> vm.VmConfig:
+def vm_config(assets_dir: Path, run_dir: str, *, memory_mb: int, cpus: int, accel: str, tsc: int,
+              disk: str | None = None) -> vm.VmConfig:
     return vm.VmConfig(kernel=str(assets_dir / "vmlinuz"), initrd=str(assets_dir / "initramfs.cpio.gz"),
-                       memory_mb=memory_mb, cpus=cpus, accel=accel, tsc_khz=tsc, run_dir=run_dir)
+                       memory_mb=memory_mb, cpus=cpus, accel=accel, tsc_khz=tsc, run_dir=run_dir, disk=disk)
 
 
 def cold_boot(cfg: vm.VmConfig, agent: str, timeout: float) -> tuple[int, AgentChannel, float]:
@@ -119,14 +123,22 @@ def probe_accel(assets_dir: Path, man: Manifest, agent: str, *, memory_mb: int =
         return result
 
 
-def template_dir(assets_dir: Path, man: Manifest, memory_mb: int, cpus: int, accel: str) -> Path:
-    qv = re.sub(r"[^A-Za-z0-9.+~-]", "_", vm.qemu_version())
-    return assets_dir / "templates" / f"{man.hash}-q{qv}-{accel}-{memory_mb}m-{cpus}c"
+def _prefix(man: Manifest) -> str:
+    return f"{man.hash}-q{re.sub(r'[^A-Za-z0-9.+~-]', '_', vm.qemu_version())}-"
+
+
+def template_dir(assets_dir: Path, man: Manifest, memory_mb: int, cpus: int, accel: str,
+                 disk_key: str | None = None) -> Path:
+    """disk_key: the root disk's content address (a rootfs template's key), part of the name."""
+    tail = f"-t{disk_key[:16]}" if disk_key else ""
+    return assets_dir / "templates" / f"{_prefix(man)}{accel}-{memory_mb}m-{cpus}c{tail}"
 
 
 def ensure_template(assets_dir: Path, man: Manifest, agent: str, *, memory_mb: int, cpus: int,
-                    accel: str) -> Template:
-    d = template_dir(assets_dir, man, memory_mb, cpus, accel)
+                    accel: str, disk: str | None = None, disk_key: str | None = None) -> Template:
+    if (disk is None) != (disk_key is None):
+        raise ValueError("disk and disk_key go together")
+    d = template_dir(assets_dir, man, memory_mb, cpus, accel, disk_key)
     meta = d / "template.json"
     with suppress(OSError, ValueError, KeyError, TypeError):
         return Template(**json.loads(meta.read_text()))
@@ -135,10 +147,10 @@ def ensure_template(assets_dir: Path, man: Manifest, agent: str, *, memory_mb: i
             return Template(**json.loads(meta.read_text()))
         d.mkdir(parents=True, exist_ok=True)
         tsc = host_tsc_khz()
-        run = tempfile.mkdtemp(prefix="boot-", dir=d)
+        run = tempfile.mkdtemp(prefix="cgvmboot-")     # short: unix socket paths (< 108 bytes)
         snap = d / "state.tmp"
         try:
-            cfg = vm_config(assets_dir, run, memory_mb=memory_mb, cpus=cpus, accel=accel, tsc=tsc)
+            cfg = vm_config(assets_dir, run, memory_mb=memory_mb, cpus=cpus, accel=accel, tsc=tsc, disk=disk)
             pid, ch, _ = cold_boot(cfg, agent, BOOT_TIMEOUT)
             try:
                 ch.close()
@@ -150,9 +162,10 @@ def ensure_template(assets_dir: Path, man: Manifest, agent: str, *, memory_mb: i
             finally:
                 vm.kill(pid, run)
             os.replace(snap, d / "state")
-            t = Template(snapshot=str(d / "state"), accel=accel, memory_mb=memory_mb, cpus=cpus, tsc_khz=tsc)
+            t = Template(snapshot=str(d / "state"), accel=accel, memory_mb=memory_mb, cpus=cpus, tsc_khz=tsc,
+                         disk=disk)
             meta.write_text(json.dumps(t.__dict__))
-            _prune(d)
+            _prune(d, _prefix(man))
             return t
         finally:
             shutil.rmtree(run, ignore_errors=True)
@@ -160,12 +173,23 @@ def ensure_template(assets_dir: Path, man: Manifest, agent: str, *, memory_mb: i
                 snap.unlink()
 
 
-def _prune(current: Path) -> None:
-    """Templates of older assets or another QEMU can never be used again (each is the size
-    of a guest's memory): remove them. Restored VMs do not need their file any more."""
-    prefix = current.name.rsplit("-", 3)[0] + "-"     # <hash>-q<qemu>-
+def _disk(d: Path) -> str | None:
+    with suppress(OSError, ValueError, KeyError, TypeError):
+        return json.loads((d / "template.json").read_text()).get("disk")
+    return None
+
+
+def _prune(current: Path, prefix: str) -> None:
+    """Templates of older assets or another QEMU can never be used again, nor those whose root
+    disk is gone (template removed) or was rebuilt (an older one on the same disk path); each
+    is the size of a guest's memory: remove them. Restored VMs do not need their file any more."""
+    mine = _disk(current)
     for p in current.parent.iterdir():
-        if p.is_dir() and not p.name.startswith(prefix):
+        if not p.is_dir() or p == current:
+            continue
+        disk = _disk(p)
+        same_vm = p.name.rsplit("-t", 1)[0] == current.name.rsplit("-t", 1)[0]    # accel, memory, cpus
+        if not p.name.startswith(prefix) or (disk and (not Path(disk).exists() or (same_vm and disk == mine))):
             shutil.rmtree(p, ignore_errors=True)
         elif p.name.endswith(".lock") and not p.name.startswith("." + prefix):
             with suppress(OSError):
@@ -176,6 +200,7 @@ def restore_config(assets_dir: Path, t: Template, run_dir: str, *, tap: str, mac
                    incoming_fd: int | None = None, runas: str | None = None) -> vm.VmConfig:
     """Same command line as the template's boot (migration needs the same devices), plus the
     tap backend and the incoming snapshot. The NIC's MAC is set by the guest after restore."""
-    base = vm_config(assets_dir, run_dir, memory_mb=t.memory_mb, cpus=t.cpus, accel=t.accel, tsc=t.tsc_khz)
+    base = vm_config(assets_dir, run_dir, memory_mb=t.memory_mb, cpus=t.cpus, accel=t.accel, tsc=t.tsc_khz,
+                     disk=t.disk)
     return vm.VmConfig(**{**base.__dict__, "tap": tap, "mac": mac, "incoming": t.snapshot,
                           "incoming_fd": incoming_fd, "runas": runas})

@@ -96,7 +96,8 @@ def test_initramfs_is_valid_newc_with_init_agent_modules_and_applets():
     blob = assets.build_initramfs(b"BB", ["sh", "ip", "busybox"], {"virtio_net": b"KO"}, b"AGENT")
     assert blob == assets.build_initramfs(b"BB", ["sh", "ip", "busybox"], {"virtio_net": b"KO"}, b"AGENT")
     ents = _parse_newc(gzip.decompress(blob))
-    assert ents["init"][0] == 0o100755 and b"--serve-fd /dev/virtio-ports/cubegate.agent" in ents["init"][1]
+    assert ents["init"][0] == 0o100755 and b"cg-serve" in ents["init"][1]
+    assert b"--serve-fd /dev/virtio-ports/cubegate.agent" in ents["sbin/cg-serve"][1]
     assert ents["sbin/cubegate-agent"] == (0o100755, b"AGENT")
     assert ents["bin/sh"] == (0o120777, b"busybox") and "bin/busybox" in ents
     assert ents["lib/modules/virtio_net.ko"][1] == b"KO" and ents["tmp"][0] == 0o041777
