@@ -233,7 +233,7 @@ class SandboxManager:
                 raise Conflict(f"sandbox {req.sandbox_id!r} already exists")
         t0 = time.monotonic()
         handle = None
-        attached = registered = False
+        attached = registered = pool_started = False
         try:
             labels = {**req.labels, "tenant": req.tenant}
             with phases.phase("identity"):
@@ -246,6 +246,7 @@ class SandboxManager:
             attach = self.pool.take if self.pool is not None else self.switch.attach_sandbox
             with phases.phase("network"):
                 net = attach(req.sandbox_id, l4_allow=l4)
+            pool_started = self.pool is not None
             attached = True
             spec = SandboxSpec(req.sandbox_id, req.tenant, req.backend, req.limits, env, dict(req.files),
                                template=req.template, **(seed or {}))
@@ -263,6 +264,9 @@ class SandboxManager:
                 raise
             log.warning("sandbox %s: create failed: %s", req.sandbox_id, e)
             raise SandboxError(f"create failed: {e}") from e
+        finally:
+            if pool_started:
+                self.pool.start_done()      # the pool's refill waits while starts are under way
         self.metrics.creations.labels(req.backend, "ok").inc()
         self.metrics.start_seconds.labels(req.backend).observe(time.monotonic() - t0)
         self.activity.touch(req.sandbox_id)
