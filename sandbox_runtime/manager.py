@@ -202,6 +202,20 @@ class SandboxManager:
         self._admit_lock = threading.Lock()
         self._usage_cache: dict[str, tuple[float, dict]] = {}
         self.metrics.bind(self)
+        self._prepare_backends()
+
+    def _prepare_backends(self) -> None:
+        """Work a backend can do once for all its sandboxes (the namespace backend's shared
+        /etc) is done now, not in the first start."""
+        gateway_ip = getattr(self.switch, "gateway_ip", None)
+        for name, b in self.backends.items() if gateway_ip else ():
+            prepare = getattr(b, "prepare", None)
+            if prepare is None or not b.available()[0]:
+                continue
+            try:
+                prepare(gateway_ip)
+            except Exception as e:  # noqa: BLE001 - the first start does it (and reports) instead
+                log.warning("runtime: preparing backend %s failed: %s", name, e)
 
     # ------------------------------------------------------------------ create
     def create(self, req: CreateRequest, *, seed: dict | None = None) -> dict:

@@ -404,6 +404,11 @@ class NamespaceBackend:
             pem = pem + (b"" if pem.endswith(b"\n") or not pem else b"\n") + extra
         return pem
 
+    def prepare(self, gateway_ip: str) -> None:
+        """Build the shared /etc ahead of the first start."""
+        with self._etc_lock:
+            self._shared_etc_dir(gateway_ip)
+
     def _shared_etc_dir(self, gateway_ip: str) -> Path:
         """The shared /etc for this gateway, rebuilt only when a source changed (etcdir.signature)."""
         copied = tuple(rel for rel in HOST_ETC if rel not in HOST_ETC_BOUND)
