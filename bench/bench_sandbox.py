@@ -9,6 +9,11 @@ snapshot saves). Results as ratios to the reference.
         [--pool N]          keep N network slots ready (runtime.pool_size); each round starts
                             with a full pool (the refill between rounds is not timed)
         [--template NAME]   namespace sandboxes on a built template (cubegate template build NAME)
+        [--phases]          per row, where a start's time goes (sandbox_runtime.phases): median
+                            wall and thread CPU per phase
+CPU ms/start: this process (all threads, the pool's refill included) + the sandboxes'
+cgroups (launcher, nsenter, bwrap, agent) over the round, per start — steadier than
+latency on a shared machine.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cubevs import datapath, libbpf, netns  # noqa: E402
 from cubevs.switch import Switch  # noqa: E402
+from sandbox_runtime import phases  # noqa: E402
 from sandbox_runtime.backend import Limits  # noqa: E402
 from sandbox_runtime.capacity import Budget, meminfo_mb  # noqa: E402
 from sandbox_runtime.manager import CreateRequest, SandboxManager  # noqa: E402
@@ -100,8 +106,28 @@ class Env:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def phase_table(traces: list[dict]) -> dict[str, tuple[float, float]]:
+    """{phase: (median wall ms, median thread-CPU ms)}, plus "other" (total minus the named ones)."""
+    cols: dict[str, list[tuple[int, int]]] = {}
+    for t in traces:
+        ph = dict(t["phases"])
+        tw, tc = ph.get("total", (0, 0))
+        named = [v for k, v in ph.items() if k != "total" and "." not in k]   # "a.b" is inside "a"
+        ph["other"] = (tw - sum(w for w, _ in named), tc - sum(c for _, c in named))
+        for k, v in ph.items():
+            cols.setdefault(k, []).append(v)
+    return {k: (statistics.median(w for w, _ in v) / 1e6, statistics.median(c for _, c in v) / 1e6)
+            for k, v in cols.items()}
+
+
 def run_level(env: Env, backend: str, conc: int, rounds: int, limits: Limits, deadline: float) -> dict:
-    lat, failures, mem_cg = [], 0, []
+    lat, failures, mem_cg, traces, cpu_ms = [], 0, [], [], []
+    phases.take()
     seq = 0
     for _ in range(rounds):
         if time.monotonic() > deadline:
@@ -121,7 +147,7 @@ def run_level(env: Env, backend: str, conc: int, rounds: int, limits: Limits, de
                                          template=template))
             return (time.perf_counter() - t0) * 1000
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _own_cpu_s()
         with ThreadPoolExecutor(conc) as ex:
             futs = [ex.submit(one, s) for s in ids]
             for f in futs:
@@ -131,6 +157,13 @@ def run_level(env: Env, backend: str, conc: int, rounds: int, limits: Limits, de
                     failures += 1
                     print(f"  create failed: {e}", flush=True)
         wall = time.perf_counter() - t0
+        own_cpu = _own_cpu_s() - cpu0
+        sb_cpu = 0.0
+        for s in ids:       # what each sandbox's processes spent starting (the launcher joins first)
+            with suppress(Exception):
+                sb_cpu += env.mgr.get(s)["usage"]["cpu_seconds"]
+        cpu_ms.append((own_cpu + sb_cpu) * 1000 / max(1, conc))
+        traces += phases.take()
         time.sleep(1.0)   # let them settle to idle
         for r in env.mgr.list():
             with suppress(Exception):
@@ -141,10 +174,21 @@ def run_level(env: Env, backend: str, conc: int, rounds: int, limits: Limits, de
                 env.mgr.destroy(s)
     if not lat:
         return {"backend": backend, "conc": conc, "n": 0, "failures": failures}
-    return {"backend": backend, "conc": conc, "n": len(lat), "failures": failures,
+    return {"backend": backend, "conc": conc, "n": len(lat), "failures": failures, "phases": phase_table(traces),
             "p50": pct(lat, 50), "p95": pct(lat, 95), "p99": pct(lat, 99), "wall_s": wall,
-            "starts_per_s": conc / wall if wall else float("nan"),
+            "starts_per_s": conc / wall if wall else float("nan"), "cpu_ms": statistics.median(cpu_ms),
             "mem_mb": statistics.median(mem_cg) / 2**20 if mem_cg else float("nan"), "host_mb": host_per_sb}
+
+
+def print_phases(rows: list[dict]) -> None:
+    print("\nphases (median per start, ms: wall / this thread's CPU)")
+    for r in rows:
+        ph = r.get("phases") or {}
+        if not ph:
+            continue
+        order = sorted((k for k in ph if k not in ("total", "other")), key=lambda k: -ph[k][0])
+        cells = [f"{k} {ph[k][0]:.1f}/{ph[k][1]:.1f}" for k in [*order, "other", "total"] if k in ph]
+        print(f"{r['backend']:<10} c{r['conc']:<4} " + "  ".join(cells))
 
 
 def main() -> int:
@@ -154,7 +198,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="namespace: 1,10,50 once; microvm: 1,10")
     ap.add_argument("--pool", type=int, default=0, help="prepared network slots (runtime.pool_size)")
     ap.add_argument("--template", default=None, help="namespace sandboxes on this built template")
+    ap.add_argument("--phases", action="store_true", help="print where each row's start time goes")
     a = ap.parse_args()
+    phases.enable(a.phases)
     backends = [b for b in a.backends.split(",") if b]
     env = Env(backends, a.pool, a.template)
     deadline = time.monotonic() + TIME_CAP_S
@@ -180,14 +226,16 @@ def main() -> int:
                 rows.append(r)
                 print(r, flush=True)
         print(f"\npool {a.pool}, template {a.template or '-'}")
-        print("backend     conc    n  fail   p50 ms   p95 ms   p99 ms  p50/ref  starts/s  idle MB (cgroup)  host MB/sandbox")
+        print("backend     conc    n  fail   p50 ms   p95 ms   p99 ms  p50/ref  starts/s  CPU ms/start  idle MB (cgroup)  host MB/sandbox")
         for r in rows:
             if not r.get("n"):
                 print(f"{r['backend']:<10} {r['conc']:>5} {0:>4} {r['failures']:>5}   (no sandbox started)")
                 continue
             ratio = f"{r['p50'] / r['ref_ms']:.1f}x" if r.get("ref_ms") else "-"
             print(f"{r['backend']:<10} {r['conc']:>5} {r['n']:>4} {r['failures']:>5} {r['p50']:>8.1f} {r['p95']:>8.1f} "
-                  f"{r['p99']:>8.1f} {ratio:>8} {r['starts_per_s']:>9.1f} {r['mem_mb']:>17.1f} {r['host_mb']:>16.1f}")
+                  f"{r['p99']:>8.1f} {ratio:>8} {r['starts_per_s']:>9.1f} {r['cpu_ms']:>13.1f} {r['mem_mb']:>17.1f} {r['host_mb']:>16.1f}")
+        if a.phases:
+            print_phases(rows)
         print("reference: namespace = bare `bwrap --unshare-all true` median "
               f"{next((r['ref_ms'] for r in rows if r['backend'] == 'namespace'), float('nan')):.1f} ms; "
               "microvm = cold boot of the same guest (if the backend reports it)")

@@ -21,7 +21,7 @@ from collections import Counter as _Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Protocol
 
-from . import ids
+from . import ids, phases
 from .ids import SANDBOX_ID_RE  # noqa: F401 - re-exported (cubegate.runtime_api/runtime_models use it)
 from .backend import Backend, ExecResult, Handle, Limits, NotSupported, SandboxError, SandboxSpec
 from .capacity import Budget, CapacityError, admit, meminfo_mb, reserved
@@ -211,46 +211,74 @@ class SandboxManager:
         self._admit_lock = threading.Lock()
         self._usage_cache: dict[str, tuple[float, dict]] = {}
         self.metrics.bind(self)
+        self._prepare_backends()
+
+    def _prepare_backends(self) -> None:
+        """Work a backend can do once for all its sandboxes (the namespace backend's shared
+        /etc) is done now, not in the first start."""
+        gateway_ip = getattr(self.switch, "gateway_ip", None)
+        for name, b in self.backends.items() if gateway_ip else ():
+            prepare = getattr(b, "prepare", None)
+            if prepare is None or not b.available()[0]:
+                continue
+            try:
+                prepare(gateway_ip)
+            except Exception as e:  # noqa: BLE001 - the first start does it (and reports) instead
+                log.warning("runtime: preparing backend %s failed: %s", name, e)
 
     # ------------------------------------------------------------------ create
     def create(self, req: CreateRequest, *, seed: dict | None = None) -> dict:
         """`seed`: SandboxSpec seed_* fields (a clone starts from a snapshot's layer)."""
+        with phases.trace(req.sandbox_id):
+            return self._create(req, seed)
+
+    def _create(self, req: CreateRequest, seed: dict | None) -> dict:
         validate_owner(req)
-        placeholders = self.hooks.placeholders(req.tenant, req.sandbox_id)
-        self._refuse_real_secrets(req.tenant, req.sandbox_id, request_strings(req),
-                                  b"\n".join(req.files.values()), placeholders)
-        validate_request(req)
-        backend = self._backend(req.backend)
+        with phases.phase("validate"):
+            placeholders = self.hooks.placeholders(req.tenant, req.sandbox_id)
+            self._refuse_real_secrets(req.tenant, req.sandbox_id, request_strings(req),
+                                      b"\n".join(req.files.values()), placeholders)
+            validate_request(req)
+            backend = self._backend(req.backend)
         rec = SandboxRecord(req.sandbox_id, req.tenant, req.backend, dict(req.labels), req.limits,
                             template=req.template)
-        with self._admit_lock:   # admission and claiming the id are one step
+        with phases.phase("admit"), self._admit_lock:   # admission and claiming the id are one step
             try:
-                admit(self.budget, self._reserved(), self._footprint(req.backend, req.limits),
-                      self._meminfo().get("MemAvailable"))
+                with phases.phase("admit.locked"):
+                    admit(self.budget, self._reserved(), self._footprint(req.backend, req.limits),
+                          self._meminfo().get("MemAvailable"))
             except CapacityError:
                 self.metrics.creations.labels(req.backend, "capacity").inc()
                 raise
-            if not self.state.insert_new(rec):
+            with phases.phase("admit.locked"):
+                claimed = self.state.insert_new(rec)
+            if not claimed:
                 raise Conflict(f"sandbox {req.sandbox_id!r} already exists")
         t0 = time.monotonic()
         handle = None
-        attached = registered = False
+        attached = registered = pool_started = False
         try:
             labels = {**req.labels, "tenant": req.tenant}
-            self.hooks.register(req.sandbox_id, req.tenant, labels)
-            registered = True
-            if req.network is not None:
-                self.hooks.set_network(req.sandbox_id, req.network, req.actor)
-            env = {**req.env, **placeholder_env(placeholders, req.secret_env)}
+            with phases.phase("identity"):
+                self.hooks.register(req.sandbox_id, req.tenant, labels)
+                registered = True
+                if req.network is not None:
+                    self.hooks.set_network(req.sandbox_id, req.network, req.actor)
+                env = {**req.env, **placeholder_env(placeholders, req.secret_env)}
+                l4 = self.hooks.l4_allow(req.sandbox_id, labels)
             attach = self.pool.take if self.pool is not None else self.switch.attach_sandbox
-            net = attach(req.sandbox_id, l4_allow=self.hooks.l4_allow(req.sandbox_id, labels))
+            with phases.phase("network"):
+                net = attach(req.sandbox_id, l4_allow=l4)
+            pool_started = self.pool is not None
             attached = True
             spec = SandboxSpec(req.sandbox_id, req.tenant, req.backend, req.limits, env, dict(req.files),
                                template=req.template, **(seed or {}))
             handle = backend.create(spec, net.netns, ip=net.ip, gateway_ip=self.switch.gateway_ip)
             rec.handle, rec.ip, rec.state = handle, net.ip, "running"
             rec.start_ms = round((time.monotonic() - t0) * 1000, 1)
-            if not self.state.finish_create(rec):
+            with phases.phase("record"):
+                finished = self.state.finish_create(rec)
+            if not finished:
                 raise SandboxError(f"sandbox {req.sandbox_id!r} was removed while it was being created")
         except BaseException as e:
             self._undo(rec, backend, handle, attached, registered)
@@ -259,6 +287,9 @@ class SandboxManager:
                 raise
             log.warning("sandbox %s: create failed: %s", req.sandbox_id, e)
             raise SandboxError(f"create failed: {e}") from e
+        finally:
+            if pool_started:
+                self.pool.start_done()      # the pool's refill waits while starts are under way
         self.metrics.creations.labels(req.backend, "ok").inc()
         self.metrics.start_seconds.labels(req.backend).observe(time.monotonic() - t0)
         self.activity.touch(req.sandbox_id)
@@ -401,7 +432,7 @@ class SandboxManager:
     def _resume(self, rec: SandboxRecord) -> None:
         if self.paused_capacity == "memory":    # its CPUs were free for others while it slept
             with self._admit_lock:
-                others = [self._charge(r) for r in self.state.all() if r.state != "failed" and r.id != rec.id]
+                others = [self._charge(r) for r in self.state.charges() if r.state != "failed" and r.id != rec.id]
                 admit(self.budget, reserved(others), self._footprint(rec.backend, rec.limits), None)
         self._backend(rec.backend).resume(rec.handle)
         rec.state, rec.paused_by = "running", None
@@ -672,7 +703,7 @@ class SandboxManager:
         return fp
 
     def _reserved(self):
-        return reserved([self._charge(r) for r in self.state.all() if r.state != "failed"])
+        return reserved([self._charge(r) for r in self.state.charges() if r.state != "failed"])
 
     # ------------------------------------------------------------------ restart
     def recover(self) -> dict:

@@ -16,8 +16,10 @@ Choices:
 - The agent's listening socket is created here on the host and inherited by the agent
   (fd 3): no host directory is visible inside the sandbox, and the sandbox cannot swap
   the socket path for another sandbox's.
-- /etc is generated (memfds copied in by bwrap) plus a few harmless host files;
-  the root is a read-only tmpfs; /workspace and /tmp are size-limited tmpfs.
+- /etc is generated plus a few harmless host files: all but hosts/hostname is one
+  shared read-only directory (etcdir.py: one bind instead of 16), those two are memfds
+  copied in by bwrap; the root is a read-only tmpfs; /workspace and /tmp are
+  size-limited tmpfs.
 - No --die-with-parent, own session: sandboxes survive a daemon restart. Handle.data
   keeps the bwrap pid (+ its start time, against pid reuse), cgroup paths and socket.
 """
@@ -30,11 +32,12 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from contextlib import suppress
 from pathlib import Path
 
-from sandbox_runtime import ids, seccomp
+from sandbox_runtime import etcdir, ids, phases, seccomp
 from sandbox_runtime.agent.client import AgentClient, AgentError, unix_connector
 from sandbox_runtime.backend import ExecResult, Handle, NotSupported, SandboxError, SandboxSpec
 from sandbox_runtime.build_agent import BINARY as AGENT_BINARY
@@ -56,6 +59,9 @@ START_TIMEOUT_S = 5.0
 HOST_ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "protocols",
             "services", "ssl/openssl.cnf", "mime.types")
 USR_MERGED = ("bin", "lib", "lib64", "sbin", "lib32", "libx32")
+HOST_ETC_BOUND = ("alternatives",)     # hundreds of symlinks: one bind is cheaper than copying them
+SANDBOX_ETC = ("hosts", "hostname")     # the /etc files that name the sandbox: per sandbox
+ETC_DIR = "_etc"                        # under roots_dir ('_' is never in a sandbox id)
 
 
 # ---------------------------------------------------------------- pure parts
@@ -85,9 +91,21 @@ def base_env(sandbox_id: str) -> dict[str, str]:
     }
 
 
+def shared_etc(gateway_ip: str, ca_pem: bytes, host: etcdir.Content) -> etcdir.Content:
+    """/etc as every sandbox of one gateway sees it: the host entries, the generated files
+    but hosts/hostname, and empty placeholders for those (mount points: /etc is read-only)."""
+    out: etcdir.Content = dict(host)
+    for rel in HOST_ETC_BOUND:          # mount points for what bwrap binds from the host
+        out[rel + "/.mountpoint"] = b""
+    out.update({rel: data for rel, data in etc_files("-", gateway_ip, ca_pem).items() if rel not in SANDBOX_ETC})
+    out.update({rel: b"" for rel in SANDBOX_ETC})
+    return out
+
+
 def bwrap_argv(*, sandbox_id: str, disk_mb: int, seccomp_fd: int, agent_fd: int, listen_fd: int,
-               etc_fds: dict[str, int], host_etc: list[str], usr_links: dict[str, str],
+               etc_dir_fd: int, etc_fds: dict[str, int], usr_links: dict[str, str],
                env: dict[str, str]) -> list[str]:
+    """etc_dir_fd: O_PATH fd of the shared /etc (shared_etc); etc_fds: memfds of SANDBOX_ETC."""
     a = [BWRAP, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
          "--disable-userns", "--uid", str(INNER_UID), "--gid", str(INNER_UID), "--hostname", sandbox_id,
          "--new-session", "--cap-drop", "ALL", "--clearenv"]
@@ -102,10 +120,11 @@ def bwrap_argv(*, sandbox_id: str, disk_mb: int, seccomp_fd: int, agent_fd: int,
     a += ["--proc", "/proc", "--dev", "/dev",
           "--size", str(disk_mb << 20), "--tmpfs", "/workspace",
           "--size", str(disk_mb << 20), "--tmpfs", "/tmp",
-          "--dir", "/etc", "--dir", "/etc/ssl/certs", "--dir", "/run",
+          "--ro-bind-fd", str(etc_dir_fd), "/etc", "--dir", "/run",
           "--symlink", "/workspace", "/home/user"]   # a writable home for E2B's default user
-    for rel in host_etc:
-        a += ["--ro-bind", f"/etc/{rel}", f"/etc/{rel}"]
+    for rel in HOST_ETC_BOUND:
+        if os.path.isdir(f"/etc/{rel}"):
+            a += ["--ro-bind", f"/etc/{rel}", f"/etc/{rel}"]
     for rel, fd in etc_fds.items():
         a += ["--perms", "0644", "--ro-bind-data", str(fd), f"/etc/{rel}"]
     a += ["--dir", "/.cubegate", "--ro-bind-fd", str(agent_fd), AGENT_PATH,
@@ -226,6 +245,9 @@ class NamespaceBackend:
         self.start_timeout = start_timeout
         self._children: dict[str, subprocess.Popen] = {}   # reaped on destroy (zombies otherwise)
         self._seccomp = seccomp.build_filter()
+        self._etc_dirs: dict[str, tuple[tuple, Path]] = {}    # gateway ip -> (source signature, dir)
+        self._etc_lock = threading.Lock()
+        self._usr_links = _usr_links()
 
     # ------------------------------------------------------------ probing
     def available(self) -> tuple[bool, str]:
@@ -277,15 +299,21 @@ class NamespaceBackend:
                                   "lower": str(tpl.rootfs)}
         cg = None
         try:
-            cg = SandboxCgroups.create(sid, spec.limits, group=self.instance)
+            with phases.phase("cgroups"):
+                cg = SandboxCgroups.create(sid, spec.limits, group=self.instance)
             h.data["cgroups"] = cg.to_json()
             # Written before anything runs (and again with the pids): if the daemon dies mid-create,
             # list() still finds what to reap (Manager.recover destroys handles without a record).
-            _save_handle(sdir, h)
+            with phases.phase("handle"), self._etc_lock:
+                if tpl is None:     # the shared /etc it will use is on disk before it is used (_prune_etc)
+                    h.data["etc_dir"] = str(self._shared_etc_dir(gateway_ip))
+                _save_handle(sdir, h)
             self._spawn(h, spec, cg, gateway_ip)
-            _save_handle(sdir, h)
+            with phases.phase("handle"):
+                _save_handle(sdir, h)
             client = self._client(h)
-            client.set_env(self._base_env(h, spec.env))
+            with phases.phase("set_env"):
+                client.set_env(self._base_env(h, spec.env))
             self._run_trust_script(h, client)
             for path, content in files.items():
                 client.write_file(path, content)
@@ -376,6 +404,43 @@ class NamespaceBackend:
             pem = pem + (b"" if pem.endswith(b"\n") or not pem else b"\n") + extra
         return pem
 
+    def prepare(self, gateway_ip: str) -> None:
+        """Build the shared /etc ahead of the first start."""
+        with self._etc_lock:
+            self._shared_etc_dir(gateway_ip)
+
+    def _shared_etc_dir(self, gateway_ip: str) -> Path:
+        """The shared /etc for this gateway, rebuilt only when a source changed (etcdir.signature)."""
+        copied = tuple(rel for rel in HOST_ETC if rel not in HOST_ETC_BOUND)
+        sources = [Path("/etc") / rel for rel in copied] + [HOST_CA_BUNDLE] + \
+            ([self.ca_bundle] if self.ca_bundle else [])
+        sig = (gateway_ip, etcdir.signature(sources))
+        cached = self._etc_dirs.get(gateway_ip)
+        if cached is not None and cached[0] == sig and cached[1].is_dir():
+            return cached[1]
+        content = shared_etc(gateway_ip, self._ca_pem(), etcdir.read_host_entries(copied))
+        # under roots_dir (0711): bwrap, already the sandbox's uid, resolves the fd's path and
+        # must be able to traverse to it; the state dir is not reachable for it
+        self.roots_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.roots_dir, 0o711)
+        d = etcdir.ensure(self.roots_dir / ETC_DIR, content, mode=0o711)
+        self._etc_dirs[gateway_ip] = (sig, d)
+        self._prune_etc()
+        return d
+
+    def _prune_etc(self) -> None:
+        """Shared /etc builds that no sandbox of this instance uses and that are not current
+        (a CA bundle or host file changed since): removed. Under _etc_lock, like the step that
+        records a build in a new sandbox's handle."""
+        root = self.roots_dir / ETC_DIR
+        if not root.is_dir():
+            return
+        keep = {str(d) for _sig, d in self._etc_dirs.values()}
+        keep |= {h.data.get("etc_dir") for h in self.list()}
+        for d in root.iterdir():
+            if str(d) not in keep and not d.name.startswith("."):
+                shutil.rmtree(d, ignore_errors=True)
+
     def _spawn(self, h: Handle, spec: SandboxSpec, cg: SandboxCgroups, gateway_ip: str) -> None:
         sid = h.sandbox_id
         fds: list[int] = []
@@ -404,12 +469,13 @@ class NamespaceBackend:
                                            disk_mb=spec.limits.disk_mb, seccomp_fd=seccomp_fd, agent_fd=agent_fd,
                                            listen_fd=listener.fileno(), env=self._base_env(h, {}))
             else:
-                etc_fds = {rel: memfd(rel.replace("/", "_"), data)
-                           for rel, data in etc_files(sid, gateway_ip, self._ca_pem()).items()}
-                host_etc = [rel for rel in HOST_ETC if os.path.lexists(f"/etc/{rel}")]
+                etc_dir_fd = os.open(h.data["etc_dir"], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                fds.append(etc_dir_fd)
+                mine = etc_files(sid, gateway_ip, b"")
+                etc_fds = {rel: memfd(rel, mine[rel]) for rel in SANDBOX_ETC}
                 argv = bwrap_argv(sandbox_id=sid, disk_mb=spec.limits.disk_mb, seccomp_fd=seccomp_fd,
-                                  agent_fd=agent_fd, listen_fd=listener.fileno(), etc_fds=etc_fds,
-                                  host_etc=host_etc, usr_links=_usr_links(), env=base_env(sid))
+                                  agent_fd=agent_fd, listen_fd=listener.fileno(), etc_dir_fd=etc_dir_fd,
+                                  etc_fds=etc_fds, usr_links=self._usr_links, env=base_env(sid))
             launch = [str(self.agent_binary), "--launch"]
             for f in cg.procs_files():
                 launch += ["--cgroup", f]
@@ -420,9 +486,10 @@ class NamespaceBackend:
             # here could be filled by the sandbox through /proc/1/fd/2 (bwrap's pid 1 keeps it).
             # The environment is minimal: bwrap's pid 1 keeps the one it was started with,
             # readable inside as /proc/1/environ, so the daemon's (vault key!) must not reach it.
-            proc = subprocess.Popen(launch + argv, pass_fds=[listener.fileno(), *fds], stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(LAUNCH_ENV),
-                                    start_new_session=True, close_fds=True)
+            with phases.phase("spawn"):
+                proc = subprocess.Popen(launch + argv, pass_fds=[listener.fileno(), *fds], stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(LAUNCH_ENV),
+                                        start_new_session=True, close_fds=True)
             os.set_blocking(proc.stderr.fileno(), False)
         finally:
             listener.close()    # the agent holds the only listening copy now
@@ -433,7 +500,8 @@ class NamespaceBackend:
         h.data["bwrap_pid"] = proc.pid
         h.data["bwrap_start"] = _start_time(proc.pid)
         try:
-            self._wait_ready(h, proc)
+            with phases.phase("agent_ready"):
+                self._wait_ready(h, proc)
         finally:
             proc.stderr.close()
         h.data["start_latency_s"] = round(time.monotonic() - t0, 4)

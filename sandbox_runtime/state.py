@@ -61,7 +61,11 @@ class StateStore:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
+        # NORMAL (WAL): a commit is durable against a crash of the daemon, which sandboxes
+        # outlive; a power loss, which could drop the last commits, kills every sandbox anyway
+        # (recover() marks a surviving record of one failed). FULL fsynced twice per create,
+        # inside the admission lock.
+        self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
         cols = {r[1] for r in self._db.execute("PRAGMA table_info(sandboxes)")}
         for name, kind in ADDED_COLUMNS.items():
@@ -119,6 +123,14 @@ class StateStore:
         with self._lock:
             row = self._db.execute(f"SELECT {COLUMNS} FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
         return _record(row) if row else None
+
+    def charges(self) -> list[SandboxRecord]:
+        """Every record with only id, backend, limits and state filled in: what admission
+        reads for each create, without parsing every handle."""
+        with self._lock:
+            rows = self._db.execute("SELECT id, backend, limits, state FROM sandboxes").fetchall()
+        return [SandboxRecord(sid, "", backend, {}, Limits(**json.loads(limits)), state)
+                for sid, backend, limits, state in rows]
 
     def all(self) -> list[SandboxRecord]:
         with self._lock:

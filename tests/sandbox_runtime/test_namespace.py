@@ -486,3 +486,38 @@ def test_cgroup_v2_kill_all_freezes_and_kills_a_fork_bomb():
                 break
             except OSError:
                 time.sleep(0.02)
+
+
+# ------------------------------------------------------------------ shared /etc
+
+def test_shared_etc_names_no_sandbox_and_is_rebuilt_when_a_source_changes(tmp_path, agent_binary, bare_netns):
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(b"-----BEGIN CERTIFICATE-----\nCgMarkA\n-----END CERTIFICATE-----\n")
+    b = NamespaceBackend(tmp_path / "state", ca_bundle=ca)
+    with sandbox(b, bare_netns, tag="e1") as h1, sandbox(b, bare_netns, tag="e2") as h2:
+        for h in (h1, h2):      # each sees its own name, from its own files
+            r = sh(b, h, "cat /etc/hostname; grep -c . /etc/hosts; grep -c CgMarkA /etc/ssl/certs/ca-certificates.crt;"
+                         " touch /etc/x 2>/dev/null || echo ro")
+            assert r.stdout.decode().split() == [h.sandbox_id, "3", "1", "ro"], r
+            assert h.sandbox_id.encode() in sh(b, h, "cat /etc/hosts").stdout
+        shared = Path(h1.data["etc_dir"])
+        assert h2.data["etc_dir"] == str(shared)          # one build for both
+        for p in shared.rglob("*"):                       # nothing in it names a sandbox
+            if p.is_file() and not p.is_symlink():
+                data = p.read_bytes()
+                assert h1.sandbox_id.encode() not in data and h2.sandbox_id.encode() not in data, p
+                assert p.stat().st_uid == 0 and (p.stat().st_mode & 0o777) == 0o644
+        ca.write_bytes(ca.read_bytes() + b"-----BEGIN CERTIFICATE-----\nCgMarkB\n-----END CERTIFICATE-----\n")
+        with sandbox(b, bare_netns, tag="e3") as h3:
+            assert h3.data["etc_dir"] != str(shared)
+            assert shared.is_dir()                        # still used by the two running ones
+            assert sh(b, h3, "grep -c CgMarkB /etc/ssl/certs/ca-certificates.crt").stdout == b"1\n"
+            assert sh(b, h1, "grep -c CgMarkB /etc/ssl/certs/ca-certificates.crt").stdout == b"0\n"
+    with sandbox(b, bare_netns, tag="e4") as h4:
+        pass
+    ca.write_bytes(b"-----BEGIN CERTIFICATE-----\nCgMarkC\n-----END CERTIFICATE-----\n")
+    with sandbox(b, bare_netns, tag="e5") as h5:          # a rebuild prunes builds nobody uses
+        assert sorted(p.name for p in shared.parent.iterdir()) == [Path(h5.data["etc_dir"]).name]
+    assert Path(h4.data["etc_dir"]) != Path(h5.data["etc_dir"])
+    import shutil
+    shutil.rmtree(b.roots_dir, ignore_errors=True)

@@ -94,6 +94,7 @@ def test_concurrent_takes_never_share_a_slot_and_destroy_leaves_nothing(switch):
         assert pool.hits >= 4 and pool.hits + pool.misses == len(ids)
         for n in nets:
             assert switch.lookup_by_ip(n.ip) == n.sandbox_id
+            pool.start_done()                             # the manager says so after each start
         assert _wait(lambda: pool.ready() == 4)           # refilled in the background
         # destroy: the network is torn down, never returned to the pool
         ready_before = set(switch.slots())
@@ -118,3 +119,34 @@ def test_leftover_slots_of_a_previous_daemon_are_discarded(switch):
         assert pool.misses == 1 and switch.lookup_by_ip(net.ip) == "sb-inline"
     finally:
         pool.stop()
+
+
+def test_refill_waits_for_a_pause_in_starts(switch):
+    pool = SlotPool(switch, 4, quiet_s=1.0, low_water=0).start()
+    try:
+        assert _wait(lambda: pool.ready() == 4)
+        a, b = pool.take("sb-q1"), pool.take("sb-q2")
+        assert pool.hits == 2 and pool.ready() == 2
+        time.sleep(1.5)                     # both starts still under way: the refill waits
+        assert pool.ready() == 2
+        pool.start_done()
+        time.sleep(0.5)                     # one still under way
+        assert pool.ready() == 2
+        pool.start_done()
+        assert _wait(lambda: pool.ready() == 4)     # then it fills up in the pause
+        assert {a.ip, b.ip}.isdisjoint({e.ip for e in switch.sandboxes() if e.sandbox_id in switch.slots()})
+    finally:
+        pool.stop()
+
+
+def test_refill_delay_decision():
+    pool = SlotPool(None, 8, quiet_s=1.0, low_water=2)      # never started: the decision only
+    pool._ready.extend(["slot-1", "slot-2", "slot-3"])
+    pool._last_start = 100.0
+    assert pool._refill_delay(100.25) == pytest.approx(0.75)     # a start ended 0.25 s ago: wait
+    assert pool._refill_delay(101.5) == 0.0                      # quiet for 1 s: refill
+    pool._starting = 1
+    assert pool._refill_delay(200.0) == 1.0                      # a start under way: wait
+    pool._ready.pop()                                            # down to low_water: refill now
+    assert pool._refill_delay(100.25) == 0.0
+    assert SlotPool(None, 8).low_water == 2                      # default: a quarter of the size
