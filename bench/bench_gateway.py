@@ -3,7 +3,7 @@
 Run (root; builds a lab, removes it and every process at the end, also on failure):
 
     .venv/bin/python bench/bench_gateway.py [--requests 1000] [--concurrency 10] [--workers 1,2]
-        [--proxies squid,tinyproxy,mitmdump,cubegate] [--scenarios passthrough-new,...]
+        [--proxies squid,tinyproxy,mitmdump,cubegate] [--scenarios passthrough-new,...] [--loops uvloop,asyncio]
         [--out .cache/bench/bench_gateway]       # writes <out>.md and <out>.json
         [--profile]                              # py-spy samples of cubegate's rows (pip install py-spy)
 
@@ -94,6 +94,7 @@ class Row:
     scenario: str
     proxy: str
     workers: str = ""              # "" for references; "1", "2", ...
+    loop: str = ""                 # cubegate's proxy.event_loop ("" for references / the default)
     status: str = "ok"             # ok | failed | n/a
     note: str = ""
     sent: int = 0
@@ -139,7 +140,7 @@ def wait_quiet(pid: int) -> float:
 
 def measure(lab, upstream: NginxUpstream, proxy: Proxy, sc: Scenario, requests: int,
             concurrency: int, profile_to: Path | None = None) -> Row:
-    row = Row(sc.key, proxy.name, str(proxy.workers) if proxy.workers else "")
+    row = Row(sc.key, proxy.name, str(proxy.workers) if proxy.workers else "", getattr(proxy, "event_loop", None) or "")
     why = probe(lab, proxy, sc)
     if why:
         row.status, row.note = "failed", why
@@ -214,7 +215,8 @@ def add_ratios(rows: list[Row]) -> None:
             r.vs_mitmdump_cpu = r.cpu_ms_per_req / mitm.cpu_ms_per_req
 
 
-def build_proxies(lab, workdir: Path, names: list[str], workers: list[int]) -> list[tuple[Proxy | None, str]]:
+def build_proxies(lab, workdir: Path, names: list[str], workers: list[int],
+                  loops: list[str | None]) -> list[tuple[Proxy | None, str]]:
     """(proxy, n/a reason) in run order; a None proxy stands for n/a rows."""
     out: list[tuple[Proxy | None, str]] = []
     refs = {"squid": Squid, "tinyproxy": Tinyproxy, "mitmdump": Mitmdump}
@@ -225,27 +227,29 @@ def build_proxies(lab, workdir: Path, names: list[str], workers: list[int]) -> l
         knows = gateway_knows_workers()
         for w in workers:
             if knows or w == 1:
-                out.append((Cubegate(lab, workdir / f"cubegate-w{w}", w, set_workers=knows), ""))
+                for lp in loops:
+                    out.append((Cubegate(lab, workdir / f"cubegate-w{w}-{lp or 'default'}", w, set_workers=knows,
+                                         event_loop=lp), ""))
             else:
                 stub = Cubegate(lab, workdir / f"cubegate-w{w}", w, set_workers=False)
                 out.append((stub, "proxy.workers is not a setting of this cubegate"))
     return out
 
 
-def profile_path(args, proxy: str, workers: object, scenario: str) -> Path | None:
+def profile_path(args, proxy: str, workers: object, scenario: str, loop: str | None = "") -> Path | None:
     """Where py-spy's samples of one cubegate row go (--profile), else None."""
     if not args.profile or proxy != "cubegate":
         return None
-    return args.out.parent / f"{args.out.name}-profile-{scenario}-w{workers}.raw"
+    return args.out.parent / f"{args.out.name}-profile-{scenario}-w{workers}{'-' + loop if loop else ''}.raw"
 
 
 def profiles(args, rows: list[Row]) -> dict[str, dict]:
     """py-spy summaries of the profiled rows, keyed "scenario workers=N"."""
     out = {}
     for r in rows:
-        path = profile_path(args, r.proxy, r.workers, r.scenario)
+        path = profile_path(args, r.proxy, r.workers, r.scenario, r.loop)
         if path and path.exists():
-            out[f"{r.scenario} workers={r.workers}"] = {"raw": str(path), **pyspy.summarise(path.read_text())}
+            out[f"{r.scenario} workers={r.workers}{' loop=' + r.loop if r.loop else ''}"] = {"raw": str(path), **pyspy.summarise(path.read_text())}
     return out
 
 
@@ -273,7 +277,7 @@ def run(args) -> tuple[list[Row], dict]:
                                  [PASS_HOST, MITM_HOST, PLAIN_HOST, DENIED_HOST], INJECTED_AUTH)
         try:
             upstream.start()
-            for proxy, na in build_proxies(lab, workdir, args.proxies, args.workers):
+            for proxy, na in build_proxies(lab, workdir, args.proxies, args.workers, args.loops):
                 applicable = [s for s in scenarios if s.key in proxy.scenarios]
                 workers = str(proxy.workers) if proxy.workers else ""
                 if na:
@@ -282,16 +286,20 @@ def run(args) -> tuple[list[Row], dict]:
                 try:
                     t0 = time.monotonic()
                     proxy.start()
-                    print(f"{proxy.name}{' workers=' + workers if workers else ''} up in "
+                    lp = getattr(proxy, "event_loop", None)
+                    print(f"{proxy.name}{' workers=' + workers if workers else ''}{' loop=' + lp if lp else ''} up in "
                           f"{time.monotonic() - t0:.1f} s", flush=True)
                     for sc in applicable:
                         row = measure(lab, upstream, proxy, sc, args.requests, args.concurrency,
-                                      profile_path(args, proxy.name, proxy.workers, sc.key))
+                                      profile_path(args, proxy.name, proxy.workers, sc.key,
+                                                   getattr(proxy, "event_loop", None)))
                         rows.append(row)
                         print("  " + progress_line(row), flush=True)
                 except Exception as e:  # one proxy that will not start must not hide the others
-                    done = {r.scenario for r in rows if r.proxy == proxy.name and r.workers == workers}
-                    rows += [Row(s.key, proxy.name, workers, status="failed", note=f"{type(e).__name__}: {e}"[:300])
+                    lp = getattr(proxy, "event_loop", None) or ""
+                    done = {r.scenario for r in rows if r.proxy == proxy.name and r.workers == workers
+                            and r.loop == lp}
+                    rows += [Row(s.key, proxy.name, workers, lp, status="failed", note=f"{type(e).__name__}: {e}"[:300])
                              for s in applicable if s.key not in done]
                     print(f"  {proxy.name}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                 finally:
@@ -302,7 +310,8 @@ def run(args) -> tuple[list[Row], dict]:
     meta["loadavg_after"] = os.getloadavg()
     add_ratios(rows)
     order = {s.key: i for i, s in enumerate(SCENARIOS)}
-    rows.sort(key=lambda r: (order[r.scenario], PROXY_ORDER.index(r.proxy), r.workers))
+    rows.sort(key=lambda r: (order[r.scenario], PROXY_ORDER.index(r.proxy), r.workers,
+                             args.loops.index(r.loop or None) if (r.loop or None) in args.loops else 0))
     return rows, meta
 
 
@@ -312,7 +321,7 @@ def _f(v: float | None, fmt: str) -> str:
 
 
 def progress_line(r: Row) -> str:
-    head = f"{r.scenario:16s} {r.proxy}{' w=' + r.workers if r.workers else ''}: {r.status}"
+    head = f"{r.scenario:16s} {r.proxy}{' w=' + r.workers if r.workers else ''}{' ' + r.loop if r.loop else ''}: {r.status}"
     if r.rps is None:
         return f"{head} {r.note}"
     return (f"{head} {r.rps:,.0f} req/s p50 {_f(r.p50_ms, '.2f')} ms cpu {_f(r.cpu_ms_per_req, '.3f')} ms/req "
@@ -321,14 +330,16 @@ def progress_line(r: Row) -> str:
 
 def markdown(rows: list[Row], meta: dict, args) -> str:
     lines = [f"### cubegate data path vs references (hey c={args.concurrency}, {args.requests} requests per row)",
-             "", "| scenario | proxy | workers | req/s | p50 ms | p99 ms | proxy CPU ms/req | upstream conns/req "
-             "| CPU vs squid | CPU vs mitmdump | status |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "", "| scenario | proxy | workers | loop | req/s | p50 ms | p99 ms | proxy CPU ms/req | upstream conns/req "
+             "| tunnels per client conn | CPU vs squid | CPU vs mitmdump | status |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         status = r.status + (f": {r.note}" if r.note else "")
-        lines.append(f"| {BY_KEY[r.scenario].title} | {r.proxy} | {r.workers or '–'} | {_f(r.rps, ',.0f')} "
+        lines.append(f"| {BY_KEY[r.scenario].title} | {r.proxy} | {r.workers or '–'} | {r.loop or '–'} "
+                     f"| {_f(r.rps, ',.0f')} "
                      f"| {_f(r.p50_ms, '.2f')} | {_f(r.p99_ms, '.2f')} | {_f(r.cpu_ms_per_req, '.3f')} "
-                     f"| {_f(r.upstream_conns_per_req, '.3f')} | {_f(r.vs_squid_cpu, '.2f')}"
+                     f"| {_f(r.upstream_conns_per_req, '.3f')} | {_f(tunnels_per_client(r, args.concurrency), '.2f')} "
+                     f"| {_f(r.vs_squid_cpu, '.2f')}"
                      f"{'x' if r.vs_squid_cpu is not None else ''} | {_f(r.vs_mitmdump_cpu, '.2f')}"
                      f"{'x' if r.vs_mitmdump_cpu is not None else ''} | {status} |")
     lines += ["", f"{meta['cpus']} CPUs, load average {meta['loadavg_before'][0]:.2f} before, "
@@ -339,6 +350,13 @@ def markdown(rows: list[Row], meta: dict, args) -> str:
                      "other worker counts are n/a.")
     lines += ["", "Targets (issue #11):", ""] + [f"- {t}" for t in targets(rows, args.concurrency)]
     return "\n".join(lines) + "\n"
+
+
+def tunnels_per_client(r: Row, concurrency: int) -> float | None:
+    """Keep-alive rows: tunnels (upstream connections) per client connection (hey's c); None otherwise."""
+    if not BY_KEY[r.scenario].keepalive or r.upstream_conns is None or r.status != "ok":
+        return None
+    return r.upstream_conns / concurrency
 
 
 def targets(rows: list[Row], concurrency: int) -> list[str]:
@@ -370,7 +388,7 @@ def targets(rows: list[Row], concurrency: int) -> list[str]:
                     (w2.rps / w1.rps) if (w1 and w2 and w1.rps and w2.rps) else None, lambda v: v >= 1.7))
     r = get("cubegate", "passthrough-ka")
     out.append(line(f"keep-alive passthrough: tunnels per client connection (c={concurrency}) ≤ 1.5",
-                    r and r.upstream_conns is not None and r.upstream_conns / concurrency or None,
+                    r and tunnels_per_client(r, concurrency),
                     lambda v: v <= 1.5))
     return out
 
@@ -386,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=10, help="hey -c (default 10)")
     ap.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2],
                     help="cubegate proxy.workers values, comma-separated (default 1,2)")
+    ap.add_argument("--loops", type=lambda s: [x or None for x in s.split(",")], default=[None],
+                    help="cubegate proxy.event_loop values, comma-separated (uvloop,asyncio; default: the "
+                         "gateway's default); targets are read from the first")
     ap.add_argument("--proxies", type=lambda s: s.split(","), default=PROXY_ORDER,
                     help="comma-separated subset of " + ",".join(PROXY_ORDER))
     ap.add_argument("--scenarios", type=lambda s: s.split(","), default=[s.key for s in SCENARIOS],
@@ -395,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / ".cache" / "bench" / "bench_gateway",
                     help="writes OUT.md and OUT.json")
     args = ap.parse_args(argv)
-    bad = [p for p in args.proxies if p not in PROXY_ORDER] + [s for s in args.scenarios if s not in BY_KEY]
+    bad = [p for p in args.proxies if p not in PROXY_ORDER] + [s for s in args.scenarios if s not in BY_KEY] \
+        + [lp for lp in args.loops if lp not in (None, "uvloop", "asyncio")]
     if args.profile and not pyspy.available():
         ap.error("--profile needs py-spy in the venv (pip install py-spy)")
     if bad or args.requests < args.concurrency or args.concurrency < 1 or min(args.workers) < 1:

@@ -232,10 +232,11 @@ class Cubegate(Proxy):
     name = "cubegate"
     scenarios = REFERENCE_SCENARIOS | {"mitm-ka", "mitm-new"}
 
-    def __init__(self, lab, workdir: Path, workers: int, set_workers: bool) -> None:
+    def __init__(self, lab, workdir: Path, workers: int, set_workers: bool, event_loop: str | None = None) -> None:
         super().__init__(lab, workdir)
         self.workers = workers
         self.set_workers = set_workers
+        self.event_loop = event_loop     # proxy.event_loop; None: the gateway's default
         self.gw: Gateway | None = None
 
     @property
@@ -250,6 +251,8 @@ class Cubegate(Proxy):
 
     def start(self) -> "Cubegate":
         proxy = {"workers": self.workers} if self.set_workers else {}
+        if self.event_loop:
+            proxy["event_loop"] = self.event_loop
         # production poll interval (the test harness polls every 0.2 s)
         self.gw = Gateway(self.lab, self.dir, {"bench.yaml": CUBEGATE_POLICY}, sandboxes={"sb-1": {}},
                           settings_extra={"policy_poll_seconds": 1.0, "proxy": proxy})

@@ -460,15 +460,44 @@ def _socket_kinds(type_: int, proto: int) -> list[tuple[int, int]]:
 
 
 def install(loop: asyncio.AbstractEventLoop, resolver: GuardedResolver) -> Callable[[], None]:
-    """Route ``loop.getaddrinfo`` through ``resolver``; return an uninstall callable.
+    """Route every name resolution ``loop`` makes for a connection through ``resolver``;
+    return an uninstall callable.
 
-    Only the standard library loop is supported (uvloop resolves in C and
-    would bypass the wrapper): anything else raises TypeError.
+    The standard library loop: ``loop.getaddrinfo`` is wrapped (its create_connection,
+    sock_connect, ... all resolve through it). uvloop resolves in C and would bypass such a
+    wrapper, so of uvloop only egress.guarded_uvloop's subclass is accepted: it sends each
+    of its resolving entry points through the guard. Any other loop raises TypeError.
     """
+    guarded_uv = _guarded_uvloop_class()
+    if guarded_uv is not None and isinstance(loop, guarded_uv):
+        loop.set_guard(_guarded_getaddrinfo(resolver, loop._unguarded_getaddrinfo))
+        return lambda: loop.set_guard(None)
     if not isinstance(loop, asyncio.base_events.BaseEventLoop):
-        raise TypeError(f"netguard.install needs an asyncio BaseEventLoop, not {type(loop).__name__}")
+        raise TypeError(f"netguard.install needs an asyncio BaseEventLoop or a GuardedUVLoop, "
+                        f"not {type(loop).__name__}")
     had_own = "getaddrinfo" in vars(loop)
     previous = loop.getaddrinfo
+    loop.getaddrinfo = _guarded_getaddrinfo(resolver, previous)  # type: ignore[method-assign]
+
+    def uninstall() -> None:
+        if had_own:
+            loop.getaddrinfo = previous  # type: ignore[method-assign]
+        else:
+            vars(loop).pop("getaddrinfo", None)
+
+    return uninstall
+
+
+def _guarded_uvloop_class():
+    try:
+        from egress.guarded_uvloop import GuardedUVLoop
+    except ImportError:   # uvloop is not installed: only the stdlib loop can be guarded
+        return None
+    return GuardedUVLoop
+
+
+def _guarded_getaddrinfo(resolver: GuardedResolver, previous):
+    """getaddrinfo answering guarded addresses only; binding lookups go to `previous`."""
 
     async def guarded_getaddrinfo(host, port, *, family=0, type=0, proto=0, flags=0):
         if isinstance(host, bytes):
@@ -498,12 +527,4 @@ def install(loop: asyncio.AbstractEventLoop, resolver: GuardedResolver) -> Calla
             raise socket.gaierror(socket.EAI_ADDRFAMILY, f"{host}: no allowed address of the requested family")
         return infos
 
-    loop.getaddrinfo = guarded_getaddrinfo  # type: ignore[method-assign]
-
-    def uninstall() -> None:
-        if had_own:
-            loop.getaddrinfo = previous  # type: ignore[method-assign]
-        else:
-            vars(loop).pop("getaddrinfo", None)
-
-    return uninstall
+    return guarded_getaddrinfo

@@ -211,7 +211,7 @@ class FastPath:
                     c.finish(None)
             return
         end = heads.head_end(c.buf)
-        connect = heads.parse_connect(bytes(c.buf[:end])) if end >= 0 else None
+        connect = heads.parse_connect(bytes(c.buf[:end]), gate.max_header_count) if end >= 0 else None
         if connect is None:
             self._hand_over(c)           # plain HTTP, or a head we do not parse: the gate decides
             return
