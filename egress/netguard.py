@@ -48,7 +48,11 @@ from collections.abc import Callable, Iterable
 from typing import Union
 
 import dns.asyncresolver
+import dns.exception
+import dns.name
 import dns.nameserver
+import dns.rdataclass
+import dns.rdatatype
 import dns.resolver
 
 IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
@@ -379,15 +383,17 @@ class GuardedResolver:
             return [(family, str(literal))]
 
         name = _normalise_name(host)
-        results = await asyncio.gather(
-            self._query(name, "A"), self._query(name, "AAAA"), return_exceptions=True)
-        addresses: list[str] = []
+        addresses = self._cached(name)
         failures: list[BaseException] = []
-        for result in results:
-            if isinstance(result, BaseException):
-                failures.append(result)
-            else:
-                addresses.extend(result)
+        if addresses is None:   # not both answers in the cache: ask (A and AAAA at once)
+            results = await asyncio.gather(
+                self._query(name, "A"), self._query(name, "AAAA"), return_exceptions=True)
+            addresses = []
+            for result in results:
+                if isinstance(result, BaseException):
+                    failures.append(result)
+                else:
+                    addresses.extend(result)
         if any(isinstance(f, dns.resolver.NXDOMAIN) for f in failures):
             raise DestinationUnresolvable(host, "NXDOMAIN")
         if not addresses:
@@ -408,6 +414,22 @@ class GuardedResolver:
         if not allowed:
             raise DestinationBlocked(first_reason or "blocked", host, addresses)
         return allowed
+
+    def _cached(self, name: str) -> list[str] | None:
+        """Both answers (A, AAAA) from the TTL cache, without a task or a query; None unless both
+        are there (what dnspython's resolve would return for them, so the same addresses)."""
+        try:
+            qname = dns.name.from_text(name)
+        except dns.exception.DNSException:
+            return None
+        out: list[str] = []
+        for rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA):
+            answer = self._resolver.cache.get((qname, rdtype, dns.rdataclass.IN))
+            if answer is None:
+                return None
+            if answer.rrset is not None:
+                out.extend(r.address for r in answer.rrset)
+        return out
 
     async def _query(self, name: str, rdtype: str) -> list[str]:
         try:

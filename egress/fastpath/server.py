@@ -28,6 +28,7 @@ from egress.fastpath import heads
 from egress.fastpath.listeners import listen_sockets
 from egress.fastpath.relay import Relay
 from egress.http_checks import Refusal
+from egress.metrics import LabelCache
 from egress.policy import normalize_host
 from egress.revocation import OpenConnection
 
@@ -51,7 +52,12 @@ class FastPath:
         self.specs: dict[bool, str] = {}           # transparent? → the mitmproxy mode of the hand-over
         self.conns: set[_Conn] = set()
         self.handed_over: set[asyncio.Task] = set()
-        self.outcomes = gate.metrics.fast_path
+        m = gate.metrics
+        self.outcomes = LabelCache(m.fast_path)
+        self._decisions = LabelCache(m.decisions)
+        self._latency = LabelCache(m.decision_latency)
+        self._bytes = LabelCache(m.bytes)
+        self._duration = LabelCache(m.connection_duration)
 
     # ------------------------------------------------------------------ listen
     async def start(self, sockets: dict[bool, list] | None = None) -> None:
@@ -108,7 +114,7 @@ class FastPath:
         return records.append(self.gate.audit, self.gate.metrics, records.audit_record(event, st, **fields))
 
     def _count(self, st: ConnState, action: str, reason: str, stage: str) -> None:
-        self.gate.metrics.decisions.labels(st.sandbox, action, reason, stage).inc()
+        self._decisions(st.sandbox, action, reason, stage).inc()
 
     def _refuse(self, c: "_Conn", reason: str, *, stage: str, status: int | None = None,
                 response: bytes | None = None, **fields) -> None:
@@ -117,7 +123,7 @@ class FastPath:
         st.kind, st.denied_reason = "denied", reason
         self._audit("decision", st, decision="deny", reason=reason, status=status, **fields)
         self._count(st, "deny", reason, stage)
-        self.outcomes.labels("refused").inc()
+        self.outcomes("refused").inc()
         c.finish(response)
 
     def _refuse_http(self, c: "_Conn", refusal: Refusal, *, stage: str, extra_headers=None, **fields) -> None:
@@ -132,7 +138,7 @@ class FastPath:
         coro = mitm_internals.hand_over(self.master, self.specs[c.transparent], c.transport, bytes(c.buf), c.eof)
         self.gate.claims.release(c.st)
         c.handed = True
-        self.outcomes.labels("handed_over").inc()
+        self.outcomes("handed_over").inc()
         task = asyncio.get_running_loop().create_task(coro)
         self.handed_over.add(task)
         task.add_done_callback(self.handed_over.discard)
@@ -181,10 +187,9 @@ class FastPath:
             return
         self.gate.claims.release(st)
         duration = time.monotonic() - st.started
-        m = self.gate.metrics
-        m.bytes.labels(st.sandbox, "out").inc(st.bytes_out)
-        m.bytes.labels(st.sandbox, "in").inc(st.bytes_in)
-        m.connection_duration.labels(st.kind).observe(duration)
+        self._bytes(st.sandbox, "out").inc(st.bytes_out)
+        self._bytes(st.sandbox, "in").inc(st.bytes_in)
+        self._duration(st.kind).observe(duration)
         self._audit("connection_closed", st, **records.closed_fields(st, duration))
 
     async def _head(self, c: "_Conn", enough) -> bool:
@@ -232,7 +237,7 @@ class FastPath:
         verdict = await decide_destination(st, connect.host, connect.port, policies=gate.policies, guard=gate.guard,
                                            resolver=gate.resolver, scheme=None, method=None, path=None)
         decision, refusal = verdict.decision, verdict.refusal
-        gate.metrics.decision_latency.labels("connect").observe(time.perf_counter() - t0)
+        self._latency("connect").observe(time.perf_counter() - t0)
         if c.lost:
             return
         if refusal is None and decision.action != "allow":
@@ -243,7 +248,7 @@ class FastPath:
             st.kind, st.denied_reason = "denied", refusal.reason
             self._audit("decision", st, method="CONNECT", **fields)
             self._count(st, "deny", refusal.reason, "connect")
-            self.outcomes.labels("refused").inc()
+            self.outcomes("refused").inc()
             c.finish(heads.refusal_response(refusal.status, refusal.reason, refusal.detail, st=st, decision=decision))
             return
         if st.port not in TLS_PORTS or needs_interception(decision, gate.credentials, st.host, st.port):
@@ -407,7 +412,7 @@ class FastPath:
         c.buf.clear()
         c.relay = relay
         relay.client.eof_pending = c.eof
-        self.outcomes.labels("relayed").inc()
+        self.outcomes("relayed").inc()
         relay.start(first)
 
 
