@@ -6,6 +6,7 @@ Run (root; builds a lab, removes it and every process at the end, also on failur
         [--proxies squid,tinyproxy,mitmdump,cubegate] [--scenarios passthrough-new,...] [--loops uvloop,asyncio]
         [--out .cache/bench/bench_gateway]       # writes <out>.md and <out>.json
         [--profile]                              # py-spy samples of cubegate's rows (pip install py-spy)
+        [--idle-conns 300]                       # memory per idle passthrough tunnel (squid, cubegate)
 
 All in one lab and one run: `hey` (apt, Go) in the gw namespace is the client,
 nginx (apt nginx-light) in the "internet" namespace is the upstream (HTTP :80,
@@ -54,6 +55,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import hey, pyspy  # noqa: E402
+from bench.idle_conns import hold_idle_tunnels  # noqa: E402
 from bench.nginx_upstream import NginxUpstream  # noqa: E402
 from bench.proctree import tree_cpu_seconds  # noqa: E402
 from bench.proxies import (DENIED_HOST, INJECTED_AUTH, MITM_HOST, PASS_HOST, PLAIN_HOST,  # noqa: E402
@@ -266,6 +268,7 @@ def profile_markdown(profs: dict[str, dict]) -> str:
 def run(args) -> tuple[list[Row], dict]:
     scenarios = [BY_KEY[k] for k in args.scenarios]
     rows: list[Row] = []
+    idle: list[dict] = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="cgbench-"))
     os.chmod(workdir, 0o755)  # squid and tinyproxy drop privileges and write their logs below it
@@ -295,6 +298,12 @@ def run(args) -> tuple[list[Row], dict]:
                                                    getattr(proxy, "event_loop", None)))
                         rows.append(row)
                         print("  " + progress_line(row), flush=True)
+                    if args.idle_conns and proxy.name in ("squid", "cubegate"):
+                        res = hold_idle_tunnels(lab, proxy.url, PASS_HOST, str(lab.ca.bundle_path), args.idle_conns,
+                                                proxy.pid, wait_quiet)
+                        idle.append({"proxy": proxy.name, "workers": workers,
+                                     "loop": getattr(proxy, "event_loop", None) or "", **res})
+                        print(f"  idle             {proxy.name}: {res}", flush=True)
                 except Exception as e:  # one proxy that will not start must not hide the others
                     lp = getattr(proxy, "event_loop", None) or ""
                     done = {r.scenario for r in rows if r.proxy == proxy.name and r.workers == workers
@@ -308,6 +317,7 @@ def run(args) -> tuple[list[Row], dict]:
             upstream.stop()
             subprocess.run(["rm", "-rf", str(workdir)], check=False)
     meta["loadavg_after"] = os.getloadavg()
+    meta["idle"] = idle
     add_ratios(rows)
     order = {s.key: i for i, s in enumerate(SCENARIOS)}
     rows.sort(key=lambda r: (order[r.scenario], PROXY_ORDER.index(r.proxy), r.workers,
@@ -348,7 +358,16 @@ def markdown(rows: list[Row], meta: dict, args) -> str:
     if not meta["gateway_knows_workers"]:
         lines.append("cubegate has no proxy.workers setting yet: workers=1 is its one process, "
                      "other worker counts are n/a.")
-    lines += ["", "Targets (issue #11):", ""] + [f"- {t}" for t in targets(rows, args.concurrency)]
+    if meta.get("idle"):
+        lines += ["", f"Idle connections (passthrough tunnels held open after one keep-alive request each; "
+                      f"growth of the proxy tree's RSS):", "",
+                  "| proxy | workers | loop | tunnels held | RSS before MiB | RSS after MiB | KiB per idle tunnel |",
+                  "|---|---:|---|---:|---:|---:|---:|"]
+        for i in meta["idle"]:
+            lines.append(f"| {i['proxy']} | {i['workers'] or '–'} | {i['loop'] or '–'} | {i['held']} "
+                         f"| {i['rss_before_kib'] / 1024:.1f} | {i['rss_after_kib'] / 1024:.1f} "
+                         f"| {_f(i['kib_per_conn'], '.1f')}{' (' + i['error'] + ')' if i.get('error') else ''} |")
+    lines += ["", "Targets (issue #11):", ""] + [f"- {t}" for t in targets(rows, args.concurrency, meta.get("idle"))]
     return "\n".join(lines) + "\n"
 
 
@@ -359,7 +378,7 @@ def tunnels_per_client(r: Row, concurrency: int) -> float | None:
     return r.upstream_conns / concurrency
 
 
-def targets(rows: list[Row], concurrency: int) -> list[str]:
+def targets(rows: list[Row], concurrency: int, idle: list[dict] | None = None) -> list[str]:
     def get(proxy: str, scenario: str, workers: str = "1") -> Row | None:
         for r in rows:
             if r.proxy == proxy and r.scenario == scenario and r.status == "ok" and \
@@ -390,6 +409,9 @@ def targets(rows: list[Row], concurrency: int) -> list[str]:
     out.append(line(f"keep-alive passthrough: tunnels per client connection (c={concurrency}) ≤ 1.5",
                     r and tunnels_per_client(r, concurrency),
                     lambda v: v <= 1.5))
+    ours = [i for i in idle or () if i["proxy"] == "cubegate" and i["workers"] == "1" and not i.get("error")]
+    out.append(line("idle connection (passthrough tunnel) ≤ 20 KiB", ours[0]["kib_per_conn"] if ours else None,
+                    lambda v: v <= 20))
     return out
 
 
@@ -404,6 +426,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=10, help="hey -c (default 10)")
     ap.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2],
                     help="cubegate proxy.workers values, comma-separated (default 1,2)")
+    ap.add_argument("--idle-conns", type=int, default=0,
+                    help="also hold this many idle passthrough tunnels through squid and cubegate and report "
+                         "the memory each costs (default 0: off; below cubegate's max_connections_per_sandbox, "
+                         "256 by default: one sandbox holds them all)")
     ap.add_argument("--loops", type=lambda s: [x or None for x in s.split(",")], default=[None],
                     help="cubegate proxy.event_loop values, comma-separated (uvloop,asyncio; default: the "
                          "gateway's default); targets are read from the first")
@@ -441,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(text)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows],
-                                                          "targets": targets(rows, args.concurrency),
+                                                          "targets": targets(rows, args.concurrency,
+                                                                             meta.get("idle")),
                                                           "profiles": profs}, indent=1))
     print(f"wrote {args.out.with_suffix('.md')} and {args.out.with_suffix('.json')} "
           f"({meta['seconds']:.0f} s)")

@@ -23,7 +23,7 @@ import uuid
 
 from egress import mitm_internals, netguard, records
 from egress.conn_state import ConnState
-from egress.destination import decide_destination, needs_interception
+from egress.destination import DecisionCache, decide_destination, needs_interception
 from egress.fastpath import heads
 from egress.fastpath.listeners import listen_sockets
 from egress.fastpath.relay import Relay
@@ -54,6 +54,7 @@ class FastPath:
         self.handed_over: set[asyncio.Task] = set()
         m = gate.metrics
         self.outcomes = LabelCache(m.fast_path)
+        self.decisions = DecisionCache()
         self._decisions = LabelCache(m.decisions)
         self._latency = LabelCache(m.decision_latency)
         self._bytes = LabelCache(m.bytes)
@@ -235,7 +236,8 @@ class FastPath:
                               stage="connect", method="CONNECT")
             return
         verdict = await decide_destination(st, connect.host, connect.port, policies=gate.policies, guard=gate.guard,
-                                           resolver=gate.resolver, scheme=None, method=None, path=None)
+                                           resolver=gate.resolver, scheme=None, method=None, path=None,
+                                           cache=self.decisions)
         decision, refusal = verdict.decision, verdict.refusal
         self._latency("connect").observe(time.perf_counter() - t0)
         if c.lost:
@@ -343,7 +345,8 @@ class FastPath:
             self._refuse(c, "sni_missing", stage="sni", status=403)
             return
         verdict = await decide_destination(st, hello.sni, st.port, policies=gate.policies, guard=gate.guard,
-                                           resolver=gate.resolver, scheme=None, method=None, path=None)
+                                           resolver=gate.resolver, scheme=None, method=None, path=None,
+                                           cache=self.decisions)
         decision, refusal = verdict.decision, verdict.refusal
         if c.lost:
             return
@@ -377,12 +380,13 @@ class FastPath:
         relay = Relay(c.transport, c.count_out, c.count_in, self.idle_timeout)
         error, timed_out = "no allowed address", False
         deadline = loop.time() + gate.connect_timeout if gate.connect_timeout else None
-        transport = None
+        transport = connected_ip = None
         for _family, ip in addresses:
             try:
                 remaining = None if deadline is None else max(0.001, deadline - loop.time())
                 transport, _ = await asyncio.wait_for(
                     loop.create_connection(relay.upstream_protocol, ip, st.port), remaining)
+                connected_ip = ip
                 break
             except (asyncio.TimeoutError, TimeoutError):
                 timed_out, error = True, f"no TCP connection within {gate.connect_timeout}s"
@@ -398,9 +402,9 @@ class FastPath:
             self._count(st, "deny", reason, "upstream")
             c.finish(None)
             return
-        peer = transport.get_extra_info("peername")
-        st.upstream = f"{peer[0]}:{peer[1]}"
-        blocked = gate.guard.check(peer[0], peer[1])
+        # the address we dialled (a canonical literal, connected to as given): no getpeername needed
+        st.upstream = f"{connected_ip}:{st.port}"
+        blocked = gate.guard.check(connected_ip, st.port)
         if blocked is not None or c.lost or c.transport.is_closing():   # closing: revoked while connecting
             transport.abort()
             if blocked is not None:   # should be impossible (the resolver filtered it); close rather than trust
