@@ -1,9 +1,9 @@
 """The fast path's connections: accept, read the first bytes, decide, then relay or hand over.
 
 Explicit mode:   CONNECT head (bounded: max_header_bytes, header_timeout) → identity →
-                 connection claim → destination (policy, SSRF guard, guarded resolve) →
-                 403/407/429 here, or 200 → ClientHello (bounded) → SNI check →
-                 connect upstream (connect_timeout) → relay.
+                 destination (policy, cached per policy object; SSRF guard, guarded resolve) →
+                 403/407 here, or (a tunnel of ours) connection claim → 429, or 200 →
+                 ClientHello (bounded) → SNI check → connect upstream (connect_timeout) → relay.
 Transparent:     source → sandbox, steered port, ClientHello → SNI = destination → the same.
 Handed over to mitmproxy (the bytes already read replayed; the gate decides and audits
 everything again, this path writes nothing for such a connection): flows that need
@@ -188,8 +188,10 @@ class FastPath:
             return
         self.gate.claims.release(st)
         duration = time.monotonic() - st.started
-        self._bytes(st.sandbox, "out").inc(st.bytes_out)
-        self._bytes(st.sandbox, "in").inc(st.bytes_in)
+        if st.bytes_out:             # a refused connection moved none upstream: no metric write for nothing
+            self._bytes(st.sandbox, "out").inc(st.bytes_out)
+        if st.bytes_in:
+            self._bytes(st.sandbox, "in").inc(st.bytes_in)
         self._duration(st.kind).observe(duration)
         self._audit("connection_closed", st, **records.closed_fields(st, duration))
 
@@ -230,11 +232,6 @@ class FastPath:
                               method="CONNECT", extra={"target": f"{connect.host}:{connect.port}"})
             return
         st.identity = ident
-        if not gate.claims.claim(st, ident):
-            self._refuse_http(c, Refusal(429, "sandbox_connection_limit",
-                                         f"sandbox already holds {gate.max_connections_per_sandbox} connections"),
-                              stage="connect", method="CONNECT")
-            return
         verdict = await decide_destination(st, connect.host, connect.port, policies=gate.policies, guard=gate.guard,
                                            resolver=gate.resolver, scheme=None, method=None, path=None,
                                            cache=self.decisions)
@@ -254,7 +251,14 @@ class FastPath:
             c.finish(heads.refusal_response(refusal.status, refusal.reason, refusal.detail, st=st, decision=decision))
             return
         if st.port not in TLS_PORTS or needs_interception(decision, gate.credentials, st.host, st.port):
-            self._hand_over(c)           # the CONNECT is replayed: the gate re-decides and audits it
+            self._hand_over(c)           # the CONNECT is replayed: the gate re-decides, claims and audits it
+            return
+        # Counted once it is a tunnel of ours: a refusal above (closed at once) or a hand-over (the
+        # gate claims) never takes the budget, and saves the shared table's two locked updates.
+        if not gate.claims.claim(st, ident):
+            self._refuse_http(c, Refusal(429, "sandbox_connection_limit",
+                                         f"sandbox already holds {gate.max_connections_per_sandbox} connections"),
+                              stage="connect", method="CONNECT")
             return
         st.decision = decision
         c.finished_deciding = True
