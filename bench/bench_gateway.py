@@ -108,6 +108,7 @@ class Row:
     cpu_s: float | None = None
     upstream_conns: int | None = None
     upstream_conns_per_req: float | None = None
+    client_conns: int | None = None    # client connections the proxy saw (its log): hey's dials, cancelled ones too
     upstream_requests: int | None = None
     injected: int | None = None
     errors: dict[str, int] = field(default_factory=dict)
@@ -151,6 +152,7 @@ def measure(lab, upstream: NginxUpstream, proxy: Proxy, sc: Scenario, requests: 
     argv = hey.argv(sc.url, requests=requests, concurrency=concurrency, proxy=proxy.url,
                     keepalive=sc.keepalive, csv=not sc.refused)
     accepted0, offset0 = upstream.accepted(), upstream.log_offset()
+    clients0 = proxy.client_connections()
     sampler = pyspy.Recorder(proxy.pid, profile_to) if profile_to else nullcontext()
     with sampler:
         cpu0 = tree_cpu_seconds(proxy.pid)
@@ -163,6 +165,12 @@ def measure(lab, upstream: NginxUpstream, proxy: Proxy, sc: Scenario, requests: 
     if profile_to:
         row.note = "profiled with py-spy (it shares the 2 cores)"
     conns = upstream.accepted() - accepted0
+    clients1 = proxy.client_connections()
+    if clients0 is not None and clients1 is not None:
+        row.client_conns = clients1 - clients0
+        counts = getattr(proxy, "last_counts", None)
+        if counts:
+            print(f"    (cubegate's connection counts so far: {counts})", flush=True)
     lines = upstream.log_lines(offset0)
     if out.returncode != 0:
         row.status, row.note = "failed", f"hey exit {out.returncode}: {out.stderr.strip()[:300]}"
@@ -335,7 +343,7 @@ def progress_line(r: Row) -> str:
     if r.rps is None:
         return f"{head} {r.note}"
     return (f"{head} {r.rps:,.0f} req/s p50 {_f(r.p50_ms, '.2f')} ms cpu {_f(r.cpu_ms_per_req, '.3f')} ms/req "
-            f"upstream conns {r.upstream_conns}{' — ' + r.note if r.note else ''}")
+            f"upstream conns {r.upstream_conns} client conns {r.client_conns}{' — ' + r.note if r.note else ''}")
 
 
 def markdown(rows: list[Row], meta: dict, args) -> str:
@@ -354,7 +362,11 @@ def markdown(rows: list[Row], meta: dict, args) -> str:
                      f"{'x' if r.vs_mitmdump_cpu is not None else ''} | {status} |")
     lines += ["", f"{meta['cpus']} CPUs, load average {meta['loadavg_before'][0]:.2f} before, "
               f"{meta['loadavg_after'][0]:.2f} after (shared machine: compare rows of one run). "
-              f"CPU from /proc in 10 ms ticks; p50/p99 from hey -o csv (0.1 ms resolution)."]
+              f"CPU from /proc in 10 ms ticks; p50/p99 from hey -o csv (0.1 ms resolution). "
+              f"Tunnels per client conn (keep-alive rows): connections the client opened through the proxy "
+              f"per hey connection (c), from the proxy's own log (squid: access.log CONNECT lines; cubegate: "
+              f"connection_closed records of connections that sent a CONNECT), so dials the client cancels "
+              f"count too; upstream conns/req is what reached nginx."]
     if not meta["gateway_knows_workers"]:
         lines.append("cubegate has no proxy.workers setting yet: workers=1 is its one process, "
                      "other worker counts are n/a.")
@@ -372,10 +384,13 @@ def markdown(rows: list[Row], meta: dict, args) -> str:
 
 
 def tunnels_per_client(r: Row, concurrency: int) -> float | None:
-    """Keep-alive rows: tunnels (upstream connections) per client connection (hey's c); None otherwise."""
-    if not BY_KEY[r.scenario].keepalive or r.upstream_conns is None or r.status != "ok":
+    """Keep-alive rows: tunnels the client opened through the proxy (the proxy's own count, so a Go
+    dial that was cancelled before reaching the upstream counts too; else upstream connections)
+    per client connection (hey's c); None otherwise."""
+    if not BY_KEY[r.scenario].keepalive or r.status != "ok":
         return None
-    return r.upstream_conns / concurrency
+    n = r.client_conns if r.client_conns is not None else r.upstream_conns
+    return None if n is None else n / concurrency
 
 
 def targets(rows: list[Row], concurrency: int, idle: list[dict] | None = None) -> list[str]:

@@ -152,6 +152,10 @@ class Proxy:
     def stop(self) -> None:
         _stop(self.proc)
 
+    def client_connections(self) -> int | None:
+        """Client connections the proxy has finished so far (its own log), None when it cannot tell."""
+        return None
+
 
 REFERENCE_SCENARIOS = frozenset({"passthrough-new", "passthrough-ka", "deny", "plain-ka"})
 
@@ -160,6 +164,13 @@ class Squid(Proxy):
     name = "squid"
     scenarios = REFERENCE_SCENARIOS
     port = 13128
+
+    def client_connections(self) -> int | None:
+        """CONNECT lines of access.log (one per tunnel, written when it closes, aborted ones too)."""
+        try:
+            return sum(1 for line in open(self.dir / "access.log", errors="replace") if " CONNECT " in line)
+        except FileNotFoundError:
+            return 0
 
     @property
     def url(self) -> str:
@@ -263,6 +274,22 @@ class Cubegate(Proxy):
         self.gw.start()
         self.mitm_ca = self.gw.ca_cert
         return self
+
+    def client_connections(self) -> int | None:
+        """Client connections that sent something (a CONNECT at least), from the audit log's
+        connection_closed records (one per client connection); `last_counts` also has all of them
+        and the tunnels relayed (kind passthrough)."""
+        counts = {"all": 0, "sent": 0, "tunnels": 0}
+        for f in sorted(self.gw.audit_dir.glob("*.jsonl")):
+            with open(f, "rb") as fh:
+                for line in fh:
+                    if b'"event":"connection_closed"' not in line:
+                        continue
+                    counts["all"] += 1
+                    counts["sent"] += b'"bytes_out":0,' not in line
+                    counts["tunnels"] += b'"kind":"passthrough"' in line
+        self.last_counts = counts
+        return counts["sent"]
 
     def stop(self) -> None:
         if self.gw:

@@ -55,7 +55,7 @@ class FastPath:
         m = gate.metrics
         self.outcomes = LabelCache(m.fast_path)
         self.decisions = DecisionCache()
-        self._decisions = LabelCache(m.decisions)
+        self._decision_count = LabelCache(m.decisions)
         self._latency = LabelCache(m.decision_latency)
         self._bytes = LabelCache(m.bytes)
         self._duration = LabelCache(m.connection_duration)
@@ -115,7 +115,7 @@ class FastPath:
         return records.append(self.gate.audit, self.gate.metrics, records.audit_record(event, st, **fields))
 
     def _count(self, st: ConnState, action: str, reason: str, stage: str) -> None:
-        self._decisions(st.sandbox, action, reason, stage).inc()
+        self._decision_count(st.sandbox, action, reason, stage).inc()
 
     def _refuse(self, c: "_Conn", reason: str, *, stage: str, status: int | None = None,
                 response: bytes | None = None, **fields) -> None:
@@ -188,7 +188,8 @@ class FastPath:
             return
         self.gate.claims.release(st)
         duration = time.monotonic() - st.started
-        if st.bytes_out:             # a refused connection moved none upstream: no metric write for nothing
+        # adding zero (a refusal has no bytes in) would still be a locked metric write
+        if st.bytes_out:
             self._bytes(st.sandbox, "out").inc(st.bytes_out)
         if st.bytes_in:
             self._bytes(st.sandbox, "in").inc(st.bytes_in)
