@@ -3,9 +3,10 @@
 Run (root; builds a lab, removes it and every process at the end, also on failure):
 
     .venv/bin/python bench/bench_gateway.py [--requests 1000] [--concurrency 10] [--workers 1,2]
-        [--proxies squid,tinyproxy,mitmdump,cubegate] [--scenarios passthrough-new,...]
+        [--proxies squid,tinyproxy,mitmdump,cubegate] [--scenarios passthrough-new,...] [--loops uvloop,asyncio]
         [--out .cache/bench/bench_gateway]       # writes <out>.md and <out>.json
         [--profile]                              # py-spy samples of cubegate's rows (pip install py-spy)
+        [--idle-conns 300]                       # memory per idle passthrough tunnel (squid, cubegate)
 
 All in one lab and one run: `hey` (apt, Go) in the gw namespace is the client,
 nginx (apt nginx-light) in the "internet" namespace is the upstream (HTTP :80,
@@ -54,6 +55,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import hey, pyspy  # noqa: E402
+from bench.idle_conns import hold_idle_tunnels  # noqa: E402
 from bench.nginx_upstream import NginxUpstream  # noqa: E402
 from bench.proctree import tree_cpu_seconds  # noqa: E402
 from bench.proxies import (DENIED_HOST, INJECTED_AUTH, MITM_HOST, PASS_HOST, PLAIN_HOST,  # noqa: E402
@@ -94,6 +96,7 @@ class Row:
     scenario: str
     proxy: str
     workers: str = ""              # "" for references; "1", "2", ...
+    loop: str = ""                 # cubegate's proxy.event_loop ("" for references / the default)
     status: str = "ok"             # ok | failed | n/a
     note: str = ""
     sent: int = 0
@@ -105,6 +108,7 @@ class Row:
     cpu_s: float | None = None
     upstream_conns: int | None = None
     upstream_conns_per_req: float | None = None
+    client_conns: int | None = None    # client connections the proxy saw (its log): hey's dials, cancelled ones too
     upstream_requests: int | None = None
     injected: int | None = None
     errors: dict[str, int] = field(default_factory=dict)
@@ -139,7 +143,7 @@ def wait_quiet(pid: int) -> float:
 
 def measure(lab, upstream: NginxUpstream, proxy: Proxy, sc: Scenario, requests: int,
             concurrency: int, profile_to: Path | None = None) -> Row:
-    row = Row(sc.key, proxy.name, str(proxy.workers) if proxy.workers else "")
+    row = Row(sc.key, proxy.name, str(proxy.workers) if proxy.workers else "", getattr(proxy, "event_loop", None) or "")
     why = probe(lab, proxy, sc)
     if why:
         row.status, row.note = "failed", why
@@ -148,6 +152,7 @@ def measure(lab, upstream: NginxUpstream, proxy: Proxy, sc: Scenario, requests: 
     argv = hey.argv(sc.url, requests=requests, concurrency=concurrency, proxy=proxy.url,
                     keepalive=sc.keepalive, csv=not sc.refused)
     accepted0, offset0 = upstream.accepted(), upstream.log_offset()
+    clients0 = proxy.client_connections()
     sampler = pyspy.Recorder(proxy.pid, profile_to) if profile_to else nullcontext()
     with sampler:
         cpu0 = tree_cpu_seconds(proxy.pid)
@@ -160,6 +165,12 @@ def measure(lab, upstream: NginxUpstream, proxy: Proxy, sc: Scenario, requests: 
     if profile_to:
         row.note = "profiled with py-spy (it shares the 2 cores)"
     conns = upstream.accepted() - accepted0
+    clients1 = proxy.client_connections()
+    if clients0 is not None and clients1 is not None:
+        row.client_conns = clients1 - clients0
+        counts = getattr(proxy, "last_counts", None)
+        if counts:
+            print(f"    (cubegate's connection counts so far: {counts})", flush=True)
     lines = upstream.log_lines(offset0)
     if out.returncode != 0:
         row.status, row.note = "failed", f"hey exit {out.returncode}: {out.stderr.strip()[:300]}"
@@ -214,7 +225,8 @@ def add_ratios(rows: list[Row]) -> None:
             r.vs_mitmdump_cpu = r.cpu_ms_per_req / mitm.cpu_ms_per_req
 
 
-def build_proxies(lab, workdir: Path, names: list[str], workers: list[int]) -> list[tuple[Proxy | None, str]]:
+def build_proxies(lab, workdir: Path, names: list[str], workers: list[int],
+                  loops: list[str | None]) -> list[tuple[Proxy | None, str]]:
     """(proxy, n/a reason) in run order; a None proxy stands for n/a rows."""
     out: list[tuple[Proxy | None, str]] = []
     refs = {"squid": Squid, "tinyproxy": Tinyproxy, "mitmdump": Mitmdump}
@@ -225,27 +237,29 @@ def build_proxies(lab, workdir: Path, names: list[str], workers: list[int]) -> l
         knows = gateway_knows_workers()
         for w in workers:
             if knows or w == 1:
-                out.append((Cubegate(lab, workdir / f"cubegate-w{w}", w, set_workers=knows), ""))
+                for lp in loops:
+                    out.append((Cubegate(lab, workdir / f"cubegate-w{w}-{lp or 'default'}", w, set_workers=knows,
+                                         event_loop=lp), ""))
             else:
                 stub = Cubegate(lab, workdir / f"cubegate-w{w}", w, set_workers=False)
                 out.append((stub, "proxy.workers is not a setting of this cubegate"))
     return out
 
 
-def profile_path(args, proxy: str, workers: object, scenario: str) -> Path | None:
+def profile_path(args, proxy: str, workers: object, scenario: str, loop: str | None = "") -> Path | None:
     """Where py-spy's samples of one cubegate row go (--profile), else None."""
     if not args.profile or proxy != "cubegate":
         return None
-    return args.out.parent / f"{args.out.name}-profile-{scenario}-w{workers}.raw"
+    return args.out.parent / f"{args.out.name}-profile-{scenario}-w{workers}{'-' + loop if loop else ''}.raw"
 
 
 def profiles(args, rows: list[Row]) -> dict[str, dict]:
     """py-spy summaries of the profiled rows, keyed "scenario workers=N"."""
     out = {}
     for r in rows:
-        path = profile_path(args, r.proxy, r.workers, r.scenario)
+        path = profile_path(args, r.proxy, r.workers, r.scenario, r.loop)
         if path and path.exists():
-            out[f"{r.scenario} workers={r.workers}"] = {"raw": str(path), **pyspy.summarise(path.read_text())}
+            out[f"{r.scenario} workers={r.workers}{' loop=' + r.loop if r.loop else ''}"] = {"raw": str(path), **pyspy.summarise(path.read_text())}
     return out
 
 
@@ -262,6 +276,7 @@ def profile_markdown(profs: dict[str, dict]) -> str:
 def run(args) -> tuple[list[Row], dict]:
     scenarios = [BY_KEY[k] for k in args.scenarios]
     rows: list[Row] = []
+    idle: list[dict] = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="cgbench-"))
     os.chmod(workdir, 0o755)  # squid and tinyproxy drop privileges and write their logs below it
@@ -273,7 +288,7 @@ def run(args) -> tuple[list[Row], dict]:
                                  [PASS_HOST, MITM_HOST, PLAIN_HOST, DENIED_HOST], INJECTED_AUTH)
         try:
             upstream.start()
-            for proxy, na in build_proxies(lab, workdir, args.proxies, args.workers):
+            for proxy, na in build_proxies(lab, workdir, args.proxies, args.workers, args.loops):
                 applicable = [s for s in scenarios if s.key in proxy.scenarios]
                 workers = str(proxy.workers) if proxy.workers else ""
                 if na:
@@ -282,16 +297,26 @@ def run(args) -> tuple[list[Row], dict]:
                 try:
                     t0 = time.monotonic()
                     proxy.start()
-                    print(f"{proxy.name}{' workers=' + workers if workers else ''} up in "
+                    lp = getattr(proxy, "event_loop", None)
+                    print(f"{proxy.name}{' workers=' + workers if workers else ''}{' loop=' + lp if lp else ''} up in "
                           f"{time.monotonic() - t0:.1f} s", flush=True)
                     for sc in applicable:
                         row = measure(lab, upstream, proxy, sc, args.requests, args.concurrency,
-                                      profile_path(args, proxy.name, proxy.workers, sc.key))
+                                      profile_path(args, proxy.name, proxy.workers, sc.key,
+                                                   getattr(proxy, "event_loop", None)))
                         rows.append(row)
                         print("  " + progress_line(row), flush=True)
+                    if args.idle_conns and proxy.name in ("squid", "cubegate"):
+                        res = hold_idle_tunnels(lab, proxy.url, PASS_HOST, str(lab.ca.bundle_path), args.idle_conns,
+                                                proxy.pid, wait_quiet)
+                        idle.append({"proxy": proxy.name, "workers": workers,
+                                     "loop": getattr(proxy, "event_loop", None) or "", **res})
+                        print(f"  idle             {proxy.name}: {res}", flush=True)
                 except Exception as e:  # one proxy that will not start must not hide the others
-                    done = {r.scenario for r in rows if r.proxy == proxy.name and r.workers == workers}
-                    rows += [Row(s.key, proxy.name, workers, status="failed", note=f"{type(e).__name__}: {e}"[:300])
+                    lp = getattr(proxy, "event_loop", None) or ""
+                    done = {r.scenario for r in rows if r.proxy == proxy.name and r.workers == workers
+                            and r.loop == lp}
+                    rows += [Row(s.key, proxy.name, workers, lp, status="failed", note=f"{type(e).__name__}: {e}"[:300])
                              for s in applicable if s.key not in done]
                     print(f"  {proxy.name}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                 finally:
@@ -300,9 +325,11 @@ def run(args) -> tuple[list[Row], dict]:
             upstream.stop()
             subprocess.run(["rm", "-rf", str(workdir)], check=False)
     meta["loadavg_after"] = os.getloadavg()
+    meta["idle"] = idle
     add_ratios(rows)
     order = {s.key: i for i, s in enumerate(SCENARIOS)}
-    rows.sort(key=lambda r: (order[r.scenario], PROXY_ORDER.index(r.proxy), r.workers))
+    rows.sort(key=lambda r: (order[r.scenario], PROXY_ORDER.index(r.proxy), r.workers,
+                             args.loops.index(r.loop or None) if (r.loop or None) in args.loops else 0))
     return rows, meta
 
 
@@ -312,36 +339,61 @@ def _f(v: float | None, fmt: str) -> str:
 
 
 def progress_line(r: Row) -> str:
-    head = f"{r.scenario:16s} {r.proxy}{' w=' + r.workers if r.workers else ''}: {r.status}"
+    head = f"{r.scenario:16s} {r.proxy}{' w=' + r.workers if r.workers else ''}{' ' + r.loop if r.loop else ''}: {r.status}"
     if r.rps is None:
         return f"{head} {r.note}"
     return (f"{head} {r.rps:,.0f} req/s p50 {_f(r.p50_ms, '.2f')} ms cpu {_f(r.cpu_ms_per_req, '.3f')} ms/req "
-            f"upstream conns {r.upstream_conns}{' — ' + r.note if r.note else ''}")
+            f"upstream conns {r.upstream_conns} client conns {r.client_conns}{' — ' + r.note if r.note else ''}")
 
 
 def markdown(rows: list[Row], meta: dict, args) -> str:
     lines = [f"### cubegate data path vs references (hey c={args.concurrency}, {args.requests} requests per row)",
-             "", "| scenario | proxy | workers | req/s | p50 ms | p99 ms | proxy CPU ms/req | upstream conns/req "
-             "| CPU vs squid | CPU vs mitmdump | status |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "", "| scenario | proxy | workers | loop | req/s | p50 ms | p99 ms | proxy CPU ms/req | upstream conns/req "
+             "| tunnels per client conn | CPU vs squid | CPU vs mitmdump | status |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         status = r.status + (f": {r.note}" if r.note else "")
-        lines.append(f"| {BY_KEY[r.scenario].title} | {r.proxy} | {r.workers or '–'} | {_f(r.rps, ',.0f')} "
+        lines.append(f"| {BY_KEY[r.scenario].title} | {r.proxy} | {r.workers or '–'} | {r.loop or '–'} "
+                     f"| {_f(r.rps, ',.0f')} "
                      f"| {_f(r.p50_ms, '.2f')} | {_f(r.p99_ms, '.2f')} | {_f(r.cpu_ms_per_req, '.3f')} "
-                     f"| {_f(r.upstream_conns_per_req, '.3f')} | {_f(r.vs_squid_cpu, '.2f')}"
+                     f"| {_f(r.upstream_conns_per_req, '.3f')} | {_f(tunnels_per_client(r, args.concurrency), '.2f')} "
+                     f"| {_f(r.vs_squid_cpu, '.2f')}"
                      f"{'x' if r.vs_squid_cpu is not None else ''} | {_f(r.vs_mitmdump_cpu, '.2f')}"
                      f"{'x' if r.vs_mitmdump_cpu is not None else ''} | {status} |")
     lines += ["", f"{meta['cpus']} CPUs, load average {meta['loadavg_before'][0]:.2f} before, "
               f"{meta['loadavg_after'][0]:.2f} after (shared machine: compare rows of one run). "
-              f"CPU from /proc in 10 ms ticks; p50/p99 from hey -o csv (0.1 ms resolution)."]
+              f"CPU from /proc in 10 ms ticks; p50/p99 from hey -o csv (0.1 ms resolution). "
+              f"Tunnels per client conn (keep-alive rows): connections the client opened through the proxy "
+              f"per hey connection (c), from the proxy's own log (squid: access.log CONNECT lines; cubegate: "
+              f"connection_closed records of connections that sent a CONNECT), so dials the client cancels "
+              f"count too; upstream conns/req is what reached nginx."]
     if not meta["gateway_knows_workers"]:
         lines.append("cubegate has no proxy.workers setting yet: workers=1 is its one process, "
                      "other worker counts are n/a.")
-    lines += ["", "Targets (issue #11):", ""] + [f"- {t}" for t in targets(rows, args.concurrency)]
+    if meta.get("idle"):
+        lines += ["", f"Idle connections (passthrough tunnels held open after one keep-alive request each; "
+                      f"growth of the proxy tree's RSS):", "",
+                  "| proxy | workers | loop | tunnels held | RSS before MiB | RSS after MiB | KiB per idle tunnel |",
+                  "|---|---:|---|---:|---:|---:|---:|"]
+        for i in meta["idle"]:
+            lines.append(f"| {i['proxy']} | {i['workers'] or '–'} | {i['loop'] or '–'} | {i['held']} "
+                         f"| {i['rss_before_kib'] / 1024:.1f} | {i['rss_after_kib'] / 1024:.1f} "
+                         f"| {_f(i['kib_per_conn'], '.1f')}{' (' + i['error'] + ')' if i.get('error') else ''} |")
+    lines += ["", "Targets (issue #11):", ""] + [f"- {t}" for t in targets(rows, args.concurrency, meta.get("idle"))]
     return "\n".join(lines) + "\n"
 
 
-def targets(rows: list[Row], concurrency: int) -> list[str]:
+def tunnels_per_client(r: Row, concurrency: int) -> float | None:
+    """Keep-alive rows: tunnels the client opened through the proxy (the proxy's own count, so a Go
+    dial that was cancelled before reaching the upstream counts too; else upstream connections)
+    per client connection (hey's c); None otherwise."""
+    if not BY_KEY[r.scenario].keepalive or r.status != "ok":
+        return None
+    n = r.client_conns if r.client_conns is not None else r.upstream_conns
+    return None if n is None else n / concurrency
+
+
+def targets(rows: list[Row], concurrency: int, idle: list[dict] | None = None) -> list[str]:
     def get(proxy: str, scenario: str, workers: str = "1") -> Row | None:
         for r in rows:
             if r.proxy == proxy and r.scenario == scenario and r.status == "ok" and \
@@ -370,8 +422,11 @@ def targets(rows: list[Row], concurrency: int) -> list[str]:
                     (w2.rps / w1.rps) if (w1 and w2 and w1.rps and w2.rps) else None, lambda v: v >= 1.7))
     r = get("cubegate", "passthrough-ka")
     out.append(line(f"keep-alive passthrough: tunnels per client connection (c={concurrency}) ≤ 1.5",
-                    r and r.upstream_conns is not None and r.upstream_conns / concurrency or None,
+                    r and tunnels_per_client(r, concurrency),
                     lambda v: v <= 1.5))
+    ours = [i for i in idle or () if i["proxy"] == "cubegate" and i["workers"] == "1" and not i.get("error")]
+    out.append(line("idle connection (passthrough tunnel) ≤ 20 KiB", ours[0]["kib_per_conn"] if ours else None,
+                    lambda v: v <= 20))
     return out
 
 
@@ -386,6 +441,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=10, help="hey -c (default 10)")
     ap.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2],
                     help="cubegate proxy.workers values, comma-separated (default 1,2)")
+    ap.add_argument("--idle-conns", type=int, default=0,
+                    help="also hold this many idle passthrough tunnels through squid and cubegate and report "
+                         "the memory each costs (default 0: off; below cubegate's max_connections_per_sandbox, "
+                         "256 by default: one sandbox holds them all)")
+    ap.add_argument("--loops", type=lambda s: [x or None for x in s.split(",")], default=[None],
+                    help="cubegate proxy.event_loop values, comma-separated (uvloop,asyncio; default: the "
+                         "gateway's default); targets are read from the first")
     ap.add_argument("--proxies", type=lambda s: s.split(","), default=PROXY_ORDER,
                     help="comma-separated subset of " + ",".join(PROXY_ORDER))
     ap.add_argument("--scenarios", type=lambda s: s.split(","), default=[s.key for s in SCENARIOS],
@@ -395,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / ".cache" / "bench" / "bench_gateway",
                     help="writes OUT.md and OUT.json")
     args = ap.parse_args(argv)
-    bad = [p for p in args.proxies if p not in PROXY_ORDER] + [s for s in args.scenarios if s not in BY_KEY]
+    bad = [p for p in args.proxies if p not in PROXY_ORDER] + [s for s in args.scenarios if s not in BY_KEY] \
+        + [lp for lp in args.loops if lp not in (None, "uvloop", "asyncio")]
     if args.profile and not pyspy.available():
         ap.error("--profile needs py-spy in the venv (pip install py-spy)")
     if bad or args.requests < args.concurrency or args.concurrency < 1 or min(args.workers) < 1:
@@ -419,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(text)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows],
-                                                          "targets": targets(rows, args.concurrency),
+                                                          "targets": targets(rows, args.concurrency,
+                                                                             meta.get("idle")),
                                                           "profiles": profs}, indent=1))
     print(f"wrote {args.out.with_suffix('.md')} and {args.out.with_suffix('.json')} "
           f"({meta['seconds']:.0f} s)")

@@ -152,6 +152,10 @@ class Proxy:
     def stop(self) -> None:
         _stop(self.proc)
 
+    def client_connections(self) -> int | None:
+        """Client connections the proxy has finished so far (its own log), None when it cannot tell."""
+        return None
+
 
 REFERENCE_SCENARIOS = frozenset({"passthrough-new", "passthrough-ka", "deny", "plain-ka"})
 
@@ -160,6 +164,13 @@ class Squid(Proxy):
     name = "squid"
     scenarios = REFERENCE_SCENARIOS
     port = 13128
+
+    def client_connections(self) -> int | None:
+        """CONNECT lines of access.log (one per tunnel, written when it closes, aborted ones too)."""
+        try:
+            return sum(1 for line in open(self.dir / "access.log", errors="replace") if " CONNECT " in line)
+        except FileNotFoundError:
+            return 0
 
     @property
     def url(self) -> str:
@@ -232,10 +243,11 @@ class Cubegate(Proxy):
     name = "cubegate"
     scenarios = REFERENCE_SCENARIOS | {"mitm-ka", "mitm-new"}
 
-    def __init__(self, lab, workdir: Path, workers: int, set_workers: bool) -> None:
+    def __init__(self, lab, workdir: Path, workers: int, set_workers: bool, event_loop: str | None = None) -> None:
         super().__init__(lab, workdir)
         self.workers = workers
         self.set_workers = set_workers
+        self.event_loop = event_loop     # proxy.event_loop; None: the gateway's default
         self.gw: Gateway | None = None
 
     @property
@@ -250,6 +262,8 @@ class Cubegate(Proxy):
 
     def start(self) -> "Cubegate":
         proxy = {"workers": self.workers} if self.set_workers else {}
+        if self.event_loop:
+            proxy["event_loop"] = self.event_loop
         # production poll interval (the test harness polls every 0.2 s)
         self.gw = Gateway(self.lab, self.dir, {"bench.yaml": CUBEGATE_POLICY}, sandboxes={"sb-1": {}},
                           settings_extra={"policy_poll_seconds": 1.0, "proxy": proxy})
@@ -260,6 +274,22 @@ class Cubegate(Proxy):
         self.gw.start()
         self.mitm_ca = self.gw.ca_cert
         return self
+
+    def client_connections(self) -> int | None:
+        """Client connections that sent something (a CONNECT at least), from the audit log's
+        connection_closed records (one per client connection); `last_counts` also has all of them
+        and the tunnels relayed (kind passthrough)."""
+        counts = {"all": 0, "sent": 0, "tunnels": 0}
+        for f in sorted(self.gw.audit_dir.glob("*.jsonl")):
+            with open(f, "rb") as fh:
+                for line in fh:
+                    if b'"event":"connection_closed"' not in line:
+                        continue
+                    counts["all"] += 1
+                    counts["sent"] += b'"bytes_out":0,' not in line
+                    counts["tunnels"] += b'"kind":"passthrough"' in line
+        self.last_counts = counts
+        return counts["sent"]
 
     def stop(self) -> None:
         if self.gw:

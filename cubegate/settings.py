@@ -158,6 +158,8 @@ class ProxySettings(_Section):
     workers: _count(1, 32) | None = None        # data-plane processes (fast path + mitmproxy + gate), each on
                                                 # every proxy port; None: the CPUs available to the daemon
                                                 # (1 with fast_path off: mitmproxy's listeners cannot share a port)
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"   # the workers' loop (uvloop: every resolve still guarded,
+                                                          # egress/guarded_uvloop.py); asyncio: the stdlib loop
 
     @property
     def worker_count(self) -> int:

@@ -127,7 +127,7 @@ class Worker:
         loop.add_signal_handler(signal.SIGHUP, self._reload)
         loop.add_signal_handler(signal.SIGTERM, self.stop.set)
         loop.add_signal_handler(signal.SIGINT, lambda: None)   # the daemon's ^C: it drains us itself
-        log.info("worker %d (pid %d) serving", self.slot, os.getpid())
+        log.info("worker %d (pid %d) serving (loop: %s)", self.slot, os.getpid(), type(loop).__name__)
         stop_task = asyncio.create_task(self.stop.wait())
         await asyncio.wait({master_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         stop_task.cancel()
@@ -221,13 +221,25 @@ def _die_with_the_daemon() -> None:
         os._exit(3)   # the daemon was gone before we asked
 
 
+def _loop_factory():
+    """proxy.event_loop (passed by the daemon): uvloop only as egress.guarded_uvloop's subclass, which
+    netguard can guard; the stdlib loop when asked for or when uvloop is not installed."""
+    if os.environ.get("CUBEGATE_WORKER_LOOP", "asyncio") == "uvloop":
+        try:
+            from egress.guarded_uvloop import new_event_loop
+            return new_event_loop
+        except ImportError:
+            log.warning("uvloop is not installed: the worker runs the stdlib loop")
+    return None
+
+
 def main(argv: list[str]) -> int:
     _die_with_the_daemon()
     slot, link_fd, explicit, transparent = int(argv[0]), int(argv[1]), argv[2], argv[3]
     logging.basicConfig(level=int(os.environ.get("CUBEGATE_WORKER_LOG_LEVEL", logging.INFO)), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s[w{slot}]: %(message)s")
     sockets = None if explicit == "-" else {False: _fds(explicit), True: _fds(transparent)}
-    rc = asyncio.run(Worker(slot, link_fd, sockets).run())
+    rc = asyncio.run(Worker(slot, link_fd, sockets).run(), loop_factory=_loop_factory())
     # Drained, audit log closed: skip the interpreter's teardown of mitmproxy's object graph
     # (seconds of CPU under load, in the way of the gateway that replaces us).
     logging.shutdown()

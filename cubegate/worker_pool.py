@@ -114,7 +114,8 @@ class WorkerPool:
         try:
             args, fds = self._spawn_args(slot, child.fileno())
             env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(self.metrics_dir), CUBEGATE_DAEMON_PID=str(os.getpid()),
-                       CUBEGATE_WORKER_LOG_LEVEL=str(logging.getLogger().getEffectiveLevel()))
+                       CUBEGATE_WORKER_LOG_LEVEL=str(logging.getLogger().getEffectiveLevel()),
+                       CUBEGATE_WORKER_LOOP=self.settings.proxy.event_loop)   # chosen before the hello arrives
             proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "cubegate.worker", *args,
                                                         pass_fds=fds, env=env)
         except BaseException:

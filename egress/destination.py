@@ -5,6 +5,7 @@ Shared by the mitmproxy gate and the fast path. No upstream I/O but DNS.
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass
 
 from egress import netguard
@@ -22,10 +23,50 @@ class Verdict:
     addresses: tuple[tuple[int, str], ...] = ()   # allowed (family, ip) to connect to, when resolved
 
 
+class DecisionCache:
+    """Connection-stage decisions (no scheme, method or path) of the policy object in force, per
+    (sandbox, labels, host, port, literal?). Never stale: every change to policies, grants or network
+    options swaps in a new policy object (egress.policy.live), and the cache belongs to one object,
+    held by reference (compared with `is`, so an id is never reused); identity changes change the
+    key (labels) or fail authentication first; a grant expiry is the only change time brings, so
+    entries live until the next expiry of a grant in force. Bounded: cleared whole when full."""
+
+    MAX_ENTRIES = 4096
+
+    def __init__(self) -> None:
+        self._policy = None
+        self._until = float("inf")
+        self._entries: dict[tuple, Decision] = {}
+
+    def decide(self, policy, req: RequestInfo) -> Decision:
+        if req.scheme is not None or req.method is not None or req.path is not None:
+            return policy.decide(req)   # request-stage decisions are not cached
+        now = getattr(policy, "clock", time.time)()
+        if policy is not self._policy or now >= self._until:
+            self._reset(policy, now)
+        key = (req.sandbox_id, tuple(sorted(req.labels.items())), req.host, req.port, req.is_ip_literal)
+        decision = self._entries.get(key)
+        if decision is None:
+            decision = policy.decide(req, now) if hasattr(policy, "clock") else policy.decide(req)
+            if len(self._entries) >= self.MAX_ENTRIES:
+                self._entries.clear()
+            self._entries[key] = decision
+        return decision
+
+    def _reset(self, policy, now: float) -> None:
+        grants = getattr(getattr(policy, "grants", None), "grants", ())
+        self._policy = policy
+        self._until = min((g.expires for g in grants if g.expires is not None and g.expires > now),
+                          default=float("inf"))
+        self._entries = {}
+
+
 async def decide_destination(st: ConnState, raw_host: str, port: int, *, policies, guard: netguard.AddressGuard,
-                             resolver: netguard.GuardedResolver, scheme, method, path) -> Verdict:
+                             resolver: netguard.GuardedResolver, scheme, method, path,
+                             cache: DecisionCache | None = None) -> Verdict:
     """Sets st.host/st.port/st.ip_literal; the caller reads the verdict. `policies.current` is the
-    policy in force (egress.policy.effective: admin policies + grants + the sandbox's network options)."""
+    policy in force (egress.policy.effective: admin policies + grants + the sandbox's network options);
+    `cache` (the fast path's) answers repeated connection-stage decisions of that same object."""
     literal = netguard.parse_ip_literal(raw_host)
     if literal is not None:
         reason = guard.check(literal, port)
@@ -42,10 +83,9 @@ async def decide_destination(st: ConnState, raw_host: str, port: int, *, policie
         return Verdict(None, Refusal(403, "agent_endpoint_plain_http_only",
                                      f"{AGENT_HOST} is the gateway itself: plain HTTP on port 80 only"))
     identity = st.identity
-    decision = policies.current.decide(RequestInfo(
-        sandbox_id=identity.sandbox_id, labels=identity.labels, host=host, port=port,
-        scheme=scheme, method=method, path=path, is_ip_literal=literal is not None,
-    ))
+    req = RequestInfo(sandbox_id=identity.sandbox_id, labels=identity.labels, host=host, port=port,
+                      scheme=scheme, method=method, path=path, is_ip_literal=literal is not None)
+    decision = cache.decide(policies.current, req) if cache is not None else policies.current.decide(req)
     st.host, st.port = host, port
     if decision.action != "allow":
         return Verdict(decision, None)

@@ -62,6 +62,24 @@ class GatewayMetrics:
         return generate_latest(self.registry)
 
 
+class LabelCache:
+    """`metric.labels(*values)`, looked up once per distinct values: prometheus-client checks and
+    converts the values and takes a lock on every labels() call, several times per connection.
+    Holds the same children the metric itself keeps forever (no new bound needed)."""
+
+    __slots__ = ("metric", "children")
+
+    def __init__(self, metric) -> None:
+        self.metric = metric
+        self.children: dict[tuple, object] = {}
+
+    def __call__(self, *values):
+        child = self.children.get(values)
+        if child is None:
+            child = self.children[values] = self.metric.labels(*values)
+        return child
+
+
 class WithWorkers:
     """The daemon's `registry` and the workers' values from `multiproc_dir`, read like a registry
     (collect) or rendered: one family per name, samples with the same name and labels summed

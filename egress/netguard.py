@@ -48,7 +48,11 @@ from collections.abc import Callable, Iterable
 from typing import Union
 
 import dns.asyncresolver
+import dns.exception
+import dns.name
 import dns.nameserver
+import dns.rdataclass
+import dns.rdatatype
 import dns.resolver
 
 IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
@@ -379,15 +383,17 @@ class GuardedResolver:
             return [(family, str(literal))]
 
         name = _normalise_name(host)
-        results = await asyncio.gather(
-            self._query(name, "A"), self._query(name, "AAAA"), return_exceptions=True)
-        addresses: list[str] = []
+        addresses = self._cached(name)
         failures: list[BaseException] = []
-        for result in results:
-            if isinstance(result, BaseException):
-                failures.append(result)
-            else:
-                addresses.extend(result)
+        if addresses is None:   # not both answers in the cache: ask (A and AAAA at once)
+            results = await asyncio.gather(
+                self._query(name, "A"), self._query(name, "AAAA"), return_exceptions=True)
+            addresses = []
+            for result in results:
+                if isinstance(result, BaseException):
+                    failures.append(result)
+                else:
+                    addresses.extend(result)
         if any(isinstance(f, dns.resolver.NXDOMAIN) for f in failures):
             raise DestinationUnresolvable(host, "NXDOMAIN")
         if not addresses:
@@ -408,6 +414,22 @@ class GuardedResolver:
         if not allowed:
             raise DestinationBlocked(first_reason or "blocked", host, addresses)
         return allowed
+
+    def _cached(self, name: str) -> list[str] | None:
+        """Both answers (A, AAAA) from the TTL cache, without a task or a query; None unless both
+        are there (what dnspython's resolve would return for them, so the same addresses)."""
+        try:
+            qname = dns.name.from_text(name)
+        except dns.exception.DNSException:
+            return None
+        out: list[str] = []
+        for rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA):
+            answer = self._resolver.cache.get((qname, rdtype, dns.rdataclass.IN))
+            if answer is None:
+                return None
+            if answer.rrset is not None:
+                out.extend(r.address for r in answer.rrset)
+        return out
 
     async def _query(self, name: str, rdtype: str) -> list[str]:
         try:
@@ -460,15 +482,44 @@ def _socket_kinds(type_: int, proto: int) -> list[tuple[int, int]]:
 
 
 def install(loop: asyncio.AbstractEventLoop, resolver: GuardedResolver) -> Callable[[], None]:
-    """Route ``loop.getaddrinfo`` through ``resolver``; return an uninstall callable.
+    """Route every name resolution ``loop`` makes for a connection through ``resolver``;
+    return an uninstall callable.
 
-    Only the standard library loop is supported (uvloop resolves in C and
-    would bypass the wrapper): anything else raises TypeError.
+    The standard library loop: ``loop.getaddrinfo`` is wrapped (its create_connection,
+    sock_connect, ... all resolve through it). uvloop resolves in C and would bypass such a
+    wrapper, so of uvloop only egress.guarded_uvloop's subclass is accepted: it sends each
+    of its resolving entry points through the guard. Any other loop raises TypeError.
     """
+    guarded_uv = _guarded_uvloop_class()
+    if guarded_uv is not None and isinstance(loop, guarded_uv):
+        loop.set_guard(_guarded_getaddrinfo(resolver, loop._unguarded_getaddrinfo))
+        return lambda: loop.set_guard(None)
     if not isinstance(loop, asyncio.base_events.BaseEventLoop):
-        raise TypeError(f"netguard.install needs an asyncio BaseEventLoop, not {type(loop).__name__}")
+        raise TypeError(f"netguard.install needs an asyncio BaseEventLoop or a GuardedUVLoop, "
+                        f"not {type(loop).__name__}")
     had_own = "getaddrinfo" in vars(loop)
     previous = loop.getaddrinfo
+    loop.getaddrinfo = _guarded_getaddrinfo(resolver, previous)  # type: ignore[method-assign]
+
+    def uninstall() -> None:
+        if had_own:
+            loop.getaddrinfo = previous  # type: ignore[method-assign]
+        else:
+            vars(loop).pop("getaddrinfo", None)
+
+    return uninstall
+
+
+def _guarded_uvloop_class():
+    try:
+        from egress.guarded_uvloop import GuardedUVLoop
+    except ImportError:   # uvloop is not installed: only the stdlib loop can be guarded
+        return None
+    return GuardedUVLoop
+
+
+def _guarded_getaddrinfo(resolver: GuardedResolver, previous):
+    """getaddrinfo answering guarded addresses only; binding lookups go to `previous`."""
 
     async def guarded_getaddrinfo(host, port, *, family=0, type=0, proto=0, flags=0):
         if isinstance(host, bytes):
@@ -498,12 +549,4 @@ def install(loop: asyncio.AbstractEventLoop, resolver: GuardedResolver) -> Calla
             raise socket.gaierror(socket.EAI_ADDRFAMILY, f"{host}: no allowed address of the requested family")
         return infos
 
-    loop.getaddrinfo = guarded_getaddrinfo  # type: ignore[method-assign]
-
-    def uninstall() -> None:
-        if had_own:
-            loop.getaddrinfo = previous  # type: ignore[method-assign]
-        else:
-            vars(loop).pop("getaddrinfo", None)
-
-    return uninstall
+    return guarded_getaddrinfo

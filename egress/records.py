@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
 from typing import Any
 
 from egress.audit.log import AuditWriteError
-from egress.audit.record import now_ts
+from egress.audit.record import new_id, now_ts
 from egress.conn_state import ConnState
 from egress.destination import AGENT_HOST
 from egress.policy import Decision
@@ -23,7 +22,7 @@ ACCESS_HINT = (f"GET http://{AGENT_HOST}/v1/denials lists your recent denials; P
 
 
 def audit_record(event: str, st: ConnState | None, **fields: Any) -> dict[str, Any]:
-    rec: dict[str, Any] = {"id": uuid.uuid4().hex, "ts": now_ts(), "event": event}
+    rec: dict[str, Any] = {"id": new_id(), "ts": now_ts(), "event": event}
     if st is not None:
         rec.update(conn_id=st.conn_id, client=st.client, sandbox=st.identity.sandbox_id if st.identity else None,
                    host=st.host, port=st.port, sni=st.sni)

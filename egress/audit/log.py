@@ -211,16 +211,16 @@ class AuditLog:
         # One writer at a time per file, across processes (old + new gateway in a restart).
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
-            before = os.fstat(self._fd).st_size
             try:
                 n = os.write(self._fd, line)
             except OSError as exc:
                 raise _os_error("append to", self.path, exc) from None
             if n != len(line):
                 # Short write (typically the disk just filled): remove our fragment (we hold
-                # the lock: nobody appended after it) so the next record does not glue onto it.
+                # the lock: nobody appended after it, so it is the file's last n bytes) so the
+                # next record does not glue onto it.
                 try:
-                    os.ftruncate(self._fd, before)
+                    os.ftruncate(self._fd, os.fstat(self._fd).st_size - n)
                 except OSError:
                     pass  # readers skip it; _open cuts it next time
                 raise AuditWriteError(

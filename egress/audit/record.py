@@ -8,8 +8,9 @@ unset: the file is self-describing and `jq` filters never miss a key.
 from __future__ import annotations
 
 import json
+import os
 import re
-import uuid
+import time
 from datetime import datetime, timezone
 from typing import Any
 
@@ -49,6 +50,7 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "extra": (dict,),
 }
 FIELDS: tuple[str, ...] = tuple(FIELD_TYPES)
+_EXACT_TYPES = {name: frozenset(types) for name, types in FIELD_TYPES.items()}   # bool only where listed
 REQUIRED = ("id", "ts", "event")
 
 # Long strings are cut in make_record so one hostile URL cannot bloat the log.
@@ -68,8 +70,18 @@ def format_ts(dt: datetime) -> str:
     return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"
 
 
+_second: tuple[int, str] = (-1, "")   # (unix second, its "YYYY-MM-DDTHH:MM:SS" UTC), swapped whole (threads)
+
+
 def now_ts() -> str:
-    return format_ts(datetime.now(timezone.utc))
+    """format_ts(now), cheaply: the date and time of day are formatted once per second."""
+    global _second
+    t = time.time()
+    sec = int(t)
+    cached = _second
+    if cached[0] != sec:
+        cached = _second = (sec, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec)))
+    return f"{cached[1]}.{int((t - sec) * 1000):03d}Z"
 
 
 def parse_ts(ts: str) -> datetime:
@@ -94,6 +106,15 @@ def _clip(value: Any) -> Any:
     return value
 
 
+_UUID4_BITS = (4 << 76) | (2 << 62)          # version 4, RFC 4122 variant
+_UUID4_MASK = ~((0xF << 76) | (0x3 << 62))
+
+
+def new_id() -> str:
+    """uuid.uuid4().hex, without building a UUID object: 122 random bits, 32 lowercase hex digits."""
+    return f"{int.from_bytes(os.urandom(16)) & _UUID4_MASK | _UUID4_BITS:032x}"
+
+
 def make_record(event: str, **fields: Any) -> dict[str, Any]:
     """Build a validated record with a fresh id and timestamp.
 
@@ -104,7 +125,7 @@ def make_record(event: str, **fields: Any) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown audit record key(s): {', '.join(sorted(unknown))}")
     rec: dict[str, Any] = {name: None for name in FIELDS}
-    rec["id"] = uuid.uuid4().hex
+    rec["id"] = new_id()
     rec["ts"] = now_ts()
     rec.update(fields)
     rec["event"] = event
@@ -129,8 +150,8 @@ def validate(record: Any) -> None:
         if record.get(name) is None:
             raise ValueError(f"audit record is missing {name!r}")
     for name, value in record.items():
-        if value is None:
-            continue
+        if value is None or type(value) in _EXACT_TYPES[name]:
+            continue   # the usual case, without isinstance calls; subclasses take the general check
         types = FIELD_TYPES[name]
         # bool is an int subclass; only would_deny may be a bool.
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
@@ -160,12 +181,15 @@ def validate(record: Any) -> None:
                 raise ValueError(f"audit extra[{key!r}] is NaN")
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=False)   # made once, not per line
+
+
 def to_line(record: dict[str, Any]) -> bytes:
     """Validate and serialise one record as a single JSON line (ASCII, ends in \\n)."""
     validate(record)
     ordered = {name: record.get(name) for name in FIELDS}
     try:
-        text = json.dumps(ordered, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+        text = _ENCODER.encode(ordered)
     except ValueError as exc:  # NaN / inf in duration_ms or extra
         raise ValueError(f"audit record not serialisable: {exc}") from None
     return text.encode("ascii") + b"\n"

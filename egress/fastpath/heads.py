@@ -1,10 +1,13 @@
 """Pure parsing of a connection's first bytes: the CONNECT head, the ClientHello, our answers.
 
-No I/O. mitmproxy's own parsers do the parsing (egress.mitm_internals), so a head
-or an SNI means the same here as in the gate.
+No I/O. The CONNECT head is parsed here, strictly (a narrower grammar than mitmproxy's:
+what it does not accept goes to mitmproxy); the ClientHello with mitmproxy's own parser
+(egress.mitm_internals), so an SNI means the same here as in the gate.
 """
 from __future__ import annotations
 
+import re
+import socket
 from dataclasses import dataclass
 
 from egress import mitm_internals, records
@@ -28,22 +31,66 @@ def head_end(buf: bytes | bytearray) -> int:
     return min(ends) if ends else -1
 
 
-def parse_connect(head: bytes) -> ConnectHead | None:
-    """A well-formed CONNECT head → its target and credentials; anything else → None
-    (not ours to answer: mitmproxy parses it again and answers as it always did)."""
-    lines = head.splitlines(keepends=True)
-    while lines and lines[-1].strip() == b"":
-        lines.pop()
-    if not lines or not lines[0].startswith(b"CONNECT "):
+# A strict subset of RFC 9112 for CONNECT: what is outside it is not refused here but handed to
+# mitmproxy, which parses it again and answers as it always did. So this parser may only ever be
+# narrower than mitmproxy's, never wider (tests/gateway/test_fastpath_units.py compares the two).
+_REG_NAME = re.compile(rb"[A-Za-z0-9_-]{1,63}(?:\.[A-Za-z0-9_-]{1,63})*\.?")
+_PORT = re.compile(rb"[1-9][0-9]{0,4}")
+_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_VALUE = re.compile(rb"[\x21-\x7e]+(?:[ \t]+[\x21-\x7e]+)*|")   # visible ASCII, inner SP/HTAB only
+_VERSIONS = (b"HTTP/1.1", b"HTTP/1.0")
+_FRAMING = (b"content-length", b"transfer-encoding")   # a CONNECT with a body: not ours to interpret
+
+
+def parse_connect(head: bytes, max_headers: int = 100) -> ConnectHead | None:
+    """A CONNECT head in the strict form → its target and credentials; anything else → None
+    (not ours to answer: mitmproxy parses it and answers as it always did).
+
+    Strict: CRLF line ends only (no bare CR or LF, no obs-fold), `CONNECT host:port HTTP/1.x`
+    with single spaces, host an ASCII name of DNS labels or a bracketed IPv6 address, port
+    1-65535 without leading zeros, header names tokens with the colon right after them,
+    values visible ASCII, at most `max_headers` headers, no Content-Length/Transfer-Encoding."""
+    if not head.startswith(b"CONNECT ") or not head.endswith(b"\r\n\r\n"):
         return None
-    try:
-        req = mitm_internals.read_request_head(lines)
-    except ValueError:
+    lines = head[:-4].split(b"\r\n")
+    if len(lines) - 1 > max_headers:
         return None
-    if req.method != "CONNECT" or not req.host or not req.port:
+    parts = lines[0].split(b" ")
+    if len(parts) != 3 or parts[2] not in _VERSIONS:
         return None
-    values = req.headers.get_all("Proxy-Authorization")
-    return ConnectHead(req.host, req.port, values[0] if len(values) == 1 else None, bool(values))
+    target = _parse_authority(parts[1])
+    if target is None:
+        return None
+    auth: list[bytes] = []
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or _TOKEN.fullmatch(name) is None:
+            return None                  # also every bare CR/LF, obs-fold and space before the colon
+        value = value.strip(b" \t")
+        if _VALUE.fullmatch(value) is None:
+            return None
+        lname = name.lower()
+        if lname in _FRAMING:
+            return None
+        if lname == b"proxy-authorization":
+            auth.append(value)
+    host, port = target
+    return ConnectHead(host, port, auth[0].decode("ascii") if len(auth) == 1 else None, bool(auth))
+
+
+def _parse_authority(target: bytes) -> tuple[str, int] | None:
+    host, colon, port = target.rpartition(b":")
+    if not colon or _PORT.fullmatch(port) is None or int(port) > 65535:
+        return None
+    if host.startswith(b"[") and host.endswith(b"]"):
+        host = host[1:-1]
+        try:
+            socket.inet_pton(socket.AF_INET6, host.decode("ascii"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            return None
+    elif _REG_NAME.fullmatch(host) is None or len(host) > 255:
+        return None
+    return host.decode("ascii"), int(port)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """The fast path's connections: accept, read the first bytes, decide, then relay or hand over.
 
 Explicit mode:   CONNECT head (bounded: max_header_bytes, header_timeout) → identity →
-                 connection claim → destination (policy, SSRF guard, guarded resolve) →
-                 403/407/429 here, or 200 → ClientHello (bounded) → SNI check →
-                 connect upstream (connect_timeout) → relay.
+                 destination (policy, cached per policy object; SSRF guard, guarded resolve) →
+                 403/407 here, or (a tunnel of ours) connection claim → 429, or 200 →
+                 ClientHello (bounded) → SNI check → connect upstream (connect_timeout) → relay.
 Transparent:     source → sandbox, steered port, ClientHello → SNI = destination → the same.
 Handed over to mitmproxy (the bytes already read replayed; the gate decides and audits
 everything again, this path writes nothing for such a connection): flows that need
@@ -23,11 +23,12 @@ import uuid
 
 from egress import mitm_internals, netguard, records
 from egress.conn_state import ConnState
-from egress.destination import decide_destination, needs_interception
+from egress.destination import DecisionCache, decide_destination, needs_interception
 from egress.fastpath import heads
 from egress.fastpath.listeners import listen_sockets
 from egress.fastpath.relay import Relay
 from egress.http_checks import Refusal
+from egress.metrics import LabelCache
 from egress.policy import normalize_host
 from egress.revocation import OpenConnection
 
@@ -51,7 +52,13 @@ class FastPath:
         self.specs: dict[bool, str] = {}           # transparent? → the mitmproxy mode of the hand-over
         self.conns: set[_Conn] = set()
         self.handed_over: set[asyncio.Task] = set()
-        self.outcomes = gate.metrics.fast_path
+        m = gate.metrics
+        self.outcomes = LabelCache(m.fast_path)
+        self.decisions = DecisionCache()
+        self._decision_count = LabelCache(m.decisions)
+        self._latency = LabelCache(m.decision_latency)
+        self._bytes = LabelCache(m.bytes)
+        self._duration = LabelCache(m.connection_duration)
 
     # ------------------------------------------------------------------ listen
     async def start(self, sockets: dict[bool, list] | None = None) -> None:
@@ -108,7 +115,7 @@ class FastPath:
         return records.append(self.gate.audit, self.gate.metrics, records.audit_record(event, st, **fields))
 
     def _count(self, st: ConnState, action: str, reason: str, stage: str) -> None:
-        self.gate.metrics.decisions.labels(st.sandbox, action, reason, stage).inc()
+        self._decision_count(st.sandbox, action, reason, stage).inc()
 
     def _refuse(self, c: "_Conn", reason: str, *, stage: str, status: int | None = None,
                 response: bytes | None = None, **fields) -> None:
@@ -117,7 +124,7 @@ class FastPath:
         st.kind, st.denied_reason = "denied", reason
         self._audit("decision", st, decision="deny", reason=reason, status=status, **fields)
         self._count(st, "deny", reason, stage)
-        self.outcomes.labels("refused").inc()
+        self.outcomes("refused").inc()
         c.finish(response)
 
     def _refuse_http(self, c: "_Conn", refusal: Refusal, *, stage: str, extra_headers=None, **fields) -> None:
@@ -132,7 +139,7 @@ class FastPath:
         coro = mitm_internals.hand_over(self.master, self.specs[c.transparent], c.transport, bytes(c.buf), c.eof)
         self.gate.claims.release(c.st)
         c.handed = True
-        self.outcomes.labels("handed_over").inc()
+        self.outcomes("handed_over").inc()
         task = asyncio.get_running_loop().create_task(coro)
         self.handed_over.add(task)
         task.add_done_callback(self.handed_over.discard)
@@ -181,10 +188,12 @@ class FastPath:
             return
         self.gate.claims.release(st)
         duration = time.monotonic() - st.started
-        m = self.gate.metrics
-        m.bytes.labels(st.sandbox, "out").inc(st.bytes_out)
-        m.bytes.labels(st.sandbox, "in").inc(st.bytes_in)
-        m.connection_duration.labels(st.kind).observe(duration)
+        # adding zero (a refusal has no bytes in) would still be a locked metric write
+        if st.bytes_out:
+            self._bytes(st.sandbox, "out").inc(st.bytes_out)
+        if st.bytes_in:
+            self._bytes(st.sandbox, "in").inc(st.bytes_in)
+        self._duration(st.kind).observe(duration)
         self._audit("connection_closed", st, **records.closed_fields(st, duration))
 
     async def _head(self, c: "_Conn", enough) -> bool:
@@ -211,7 +220,7 @@ class FastPath:
                     c.finish(None)
             return
         end = heads.head_end(c.buf)
-        connect = heads.parse_connect(bytes(c.buf[:end])) if end >= 0 else None
+        connect = heads.parse_connect(bytes(c.buf[:end]), gate.max_header_count) if end >= 0 else None
         if connect is None:
             self._hand_over(c)           # plain HTTP, or a head we do not parse: the gate decides
             return
@@ -224,15 +233,11 @@ class FastPath:
                               method="CONNECT", extra={"target": f"{connect.host}:{connect.port}"})
             return
         st.identity = ident
-        if not gate.claims.claim(st, ident):
-            self._refuse_http(c, Refusal(429, "sandbox_connection_limit",
-                                         f"sandbox already holds {gate.max_connections_per_sandbox} connections"),
-                              stage="connect", method="CONNECT")
-            return
         verdict = await decide_destination(st, connect.host, connect.port, policies=gate.policies, guard=gate.guard,
-                                           resolver=gate.resolver, scheme=None, method=None, path=None)
+                                           resolver=gate.resolver, scheme=None, method=None, path=None,
+                                           cache=self.decisions)
         decision, refusal = verdict.decision, verdict.refusal
-        gate.metrics.decision_latency.labels("connect").observe(time.perf_counter() - t0)
+        self._latency("connect").observe(time.perf_counter() - t0)
         if c.lost:
             return
         if refusal is None and decision.action != "allow":
@@ -243,11 +248,18 @@ class FastPath:
             st.kind, st.denied_reason = "denied", refusal.reason
             self._audit("decision", st, method="CONNECT", **fields)
             self._count(st, "deny", refusal.reason, "connect")
-            self.outcomes.labels("refused").inc()
+            self.outcomes("refused").inc()
             c.finish(heads.refusal_response(refusal.status, refusal.reason, refusal.detail, st=st, decision=decision))
             return
         if st.port not in TLS_PORTS or needs_interception(decision, gate.credentials, st.host, st.port):
-            self._hand_over(c)           # the CONNECT is replayed: the gate re-decides and audits it
+            self._hand_over(c)           # the CONNECT is replayed: the gate re-decides, claims and audits it
+            return
+        # Counted once it is a tunnel of ours: a refusal above (closed at once) or a hand-over (the
+        # gate claims) never takes the budget, and saves the shared table's two locked updates.
+        if not gate.claims.claim(st, ident):
+            self._refuse_http(c, Refusal(429, "sandbox_connection_limit",
+                                         f"sandbox already holds {gate.max_connections_per_sandbox} connections"),
+                              stage="connect", method="CONNECT")
             return
         st.decision = decision
         c.finished_deciding = True
@@ -338,7 +350,8 @@ class FastPath:
             self._refuse(c, "sni_missing", stage="sni", status=403)
             return
         verdict = await decide_destination(st, hello.sni, st.port, policies=gate.policies, guard=gate.guard,
-                                           resolver=gate.resolver, scheme=None, method=None, path=None)
+                                           resolver=gate.resolver, scheme=None, method=None, path=None,
+                                           cache=self.decisions)
         decision, refusal = verdict.decision, verdict.refusal
         if c.lost:
             return
@@ -372,12 +385,13 @@ class FastPath:
         relay = Relay(c.transport, c.count_out, c.count_in, self.idle_timeout)
         error, timed_out = "no allowed address", False
         deadline = loop.time() + gate.connect_timeout if gate.connect_timeout else None
-        transport = None
+        transport = connected_ip = None
         for _family, ip in addresses:
             try:
                 remaining = None if deadline is None else max(0.001, deadline - loop.time())
                 transport, _ = await asyncio.wait_for(
                     loop.create_connection(relay.upstream_protocol, ip, st.port), remaining)
+                connected_ip = ip
                 break
             except (asyncio.TimeoutError, TimeoutError):
                 timed_out, error = True, f"no TCP connection within {gate.connect_timeout}s"
@@ -393,9 +407,9 @@ class FastPath:
             self._count(st, "deny", reason, "upstream")
             c.finish(None)
             return
-        peer = transport.get_extra_info("peername")
-        st.upstream = f"{peer[0]}:{peer[1]}"
-        blocked = gate.guard.check(peer[0], peer[1])
+        # the address we dialled (a canonical literal, connected to as given): no getpeername needed
+        st.upstream = f"{connected_ip}:{st.port}"
+        blocked = gate.guard.check(connected_ip, st.port)
         if blocked is not None or c.lost or c.transport.is_closing():   # closing: revoked while connecting
             transport.abort()
             if blocked is not None:   # should be impossible (the resolver filtered it); close rather than trust
@@ -407,7 +421,7 @@ class FastPath:
         c.buf.clear()
         c.relay = relay
         relay.client.eof_pending = c.eof
-        self.outcomes.labels("relayed").inc()
+        self.outcomes("relayed").inc()
         relay.start(first)
 
 

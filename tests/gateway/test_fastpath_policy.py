@@ -112,3 +112,4 @@ def test_a_grant_is_decided_by_the_fast_path_and_revoking_it_closes_the_tunnel(g
     assert out["status"] == 200 and out["closed"] and out["after_s"] < 2, out
     rev = gw.wait_record(lambda r: r.get("reason") == "policy_revoked")
     assert rev["host"] == "spare1.test" and rev["extra"]["kind"] == "passthrough"
+    assert gw.curl("https://spare1.test/").connect_status == 403   # the next one: no cached allow outlives it
