@@ -126,10 +126,11 @@ class VaultCredentials:
                        "which they are not bound to")
 
     # -- response stage ----------------------------------------------------------
-    def injected_forms(self, flow: http.HTTPFlow) -> frozenset | None:
-        """Spellings of the value injected into this flow's request (None: nothing injected)."""
+    def injected_forms(self, flow: http.HTTPFlow) -> "vaultlib.ScrubForms | None":
+        """Spellings of the value injected into this flow's request, compiled once per
+        injection (None: nothing injected)."""
         injection = flow.metadata.get(_INJECTION_KEY)
-        return injection.value_forms if injection is not None else None
+        return injection.scrub_forms if injection is not None else None
 
     def on_response_headers(self, flow: http.HTTPFlow, conn) -> Refusal | None:
         """Scrub the injected value from response headers; refuse what cannot be made safe."""
@@ -173,7 +174,7 @@ class VaultCredentials:
 
 def _visible(injection, data: bytes) -> bool:
     """The injected value in `data` in any spelling a receiver could undo (every escape view)."""
-    return bool(vaultlib.Needles([("injected", injection.value_forms)]).find(data))
+    return injection.scrub_forms.visible(data)
 
 
 def _header_blob(req: http.Request) -> bytes:
