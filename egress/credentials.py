@@ -143,12 +143,13 @@ class VaultCredentials:
                            "a partial response on a flow that carried a credential cannot be scrubbed whole")
         # The reason phrase is free text the upstream chooses: the standard one goes to the sandbox.
         resp.reason = http.status_codes.RESPONSES.get(resp.status_code, "")
-        fields = []
-        for name, value in resp.headers.fields:
-            fields.append((injection.scrub(name), injection.scrub(value)))
-        resp.headers.fields = tuple(fields)
-        # The value split over several headers, or spelled with escapes, survives a per-header scrub.
+        fields = resp.headers.fields
         joined = b"".join(n + v for n, v in fields)
+        if injection.scrub_forms.occurs_in(joined):   # (no form in the whole: none in any one header)
+            fields = tuple((injection.scrub(name), injection.scrub(value)) for name, value in fields)
+            resp.headers.fields = fields
+            joined = b"".join(n + v for n, v in fields)
+        # The value split over several headers, or spelled with escapes, survives a per-header scrub.
         if _visible(injection, joined) or _visible(injection, b"".join(v for _, v in fields)):
             return Refusal(502, "response_unscrubbable",
                            "response headers carry the injected credential in a form that cannot be removed")

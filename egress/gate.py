@@ -701,7 +701,7 @@ class PolicyGate:
     def _plan_request_body(self, flow: http.HTTPFlow, st: ConnState) -> Refusal | None:
         req = flow.request
         length = _content_length(req.headers)
-        if length == 0:
+        if length == 0 or _http1_without_body(req):
             return None
         needles = self.credentials.request_needles(flow, st)
         if isinstance(needles, Refusal):
@@ -1095,6 +1095,13 @@ def _content_length(headers) -> int | None:
     if len(values) == 1 and values[0].strip().isdigit():
         return int(values[0].strip())
     return None
+
+
+def _http1_without_body(req: http.Request) -> bool:
+    """An HTTP/1 request with neither Content-Length nor Transfer-Encoding has no body
+    (RFC 9112 6.3; mitmproxy reads none): nothing to check. HTTP/2 may send DATA anyway."""
+    return req.http_version.startswith("HTTP/1") and "content-length" not in req.headers \
+        and "transfer-encoding" not in req.headers
 
 
 def _may_have_body(flow: http.HTTPFlow) -> bool:

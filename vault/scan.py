@@ -581,6 +581,10 @@ class ScrubForms:
         self.prefixes = _Prefixes(self.forms)
         self.needles = Needles([("injected", frozenset(self.forms))])
 
+    def occurs_in(self, data: bytes) -> bool:
+        """Whether a form occurs in `data` as it is (one pass; forms.scrub has nothing to do if not)."""
+        return self._automaton is not None and bool(self._automaton.find_matches_as_indexes(data))
+
     def visible(self, data: bytes) -> bool:
         """Whether the value occurs in `data` in any spelling a receiver could undo (every view)."""
         return bool(self.needles.find(data))
