@@ -1125,6 +1125,7 @@ def _is_agent_target(host: str) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=4096)   # pure, and every request's Host goes through it (IDNA is slow)
 def _canonical_host(h: str) -> str:
     lit = netguard.parse_ip_literal(h)
     return str(lit) if lit is not None else normalize_host(h)

@@ -81,6 +81,7 @@ class Vault:
         self._bindings: dict[str, list[Binding]] = {}
         self._injections: dict[tuple[str, int], Injection] = {}
         self._active: dict[tuple[str, str], list[tuple]] = {}   # (tenant, secret) -> active version rows
+        self._selected: dict[tuple, Binding | None] = {}        # (tenant, host, port, method, path) -> binding
         self._leak_forms: dict[tuple[str, str], list[tuple[str, frozenset]]] = {}
         self._needles: dict[tuple, tuple[list, "scan.Needles"]] = {}   # built from the _leak_forms entry it holds
         self.tokens = TokenStore(store)
@@ -344,6 +345,7 @@ class Vault:
         self._bindings = by_tenant
         self._injections.clear()
         self._active.clear()
+        self._selected.clear()
         self._leak_forms.clear()
         self._needles.clear()
         self._gen = gen
@@ -384,7 +386,15 @@ class Vault:
             return None
         with self._lock:
             self._refresh()
-            binding = select(self._bindings.get(tenant, ()), host=host, port=port, method=method, path=path)
+            # select() reads the path without its query (clean_path): neither is the key, so no
+            # query string (where a placeholder may travel) is kept here
+            key = (tenant, host, port, method, path.split("?", 1)[0].split("#", 1)[0])
+            binding = self._selected.get(key, False)
+            if binding is False:    # the same request line on a keep-alive connection: selected once
+                binding = select(self._bindings.get(tenant, ()), host=host, port=port, method=method, path=path)
+                if len(self._selected) > 4096:
+                    self._selected.clear()
+                self._selected[key] = binding
             if binding is None:
                 return None
             if scheme.lower() not in SECURE_SCHEMES and not binding.match.allow_plaintext:
