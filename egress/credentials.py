@@ -76,8 +76,9 @@ class VaultCredentials:
             injection.apply_to_headers(req.headers)
         # A ranged answer hands the sandbox the body in pieces no single scrub pass sees
         # whole (8-byte Range requests reassemble the key): ask for the whole body.
-        for h in ("range", "if-range"):
-            req.headers.pop(h, None)
+        if any(k.lower() in (b"range", b"if-range") for k, _ in req.headers.fields):
+            req.headers.pop("range", None)
+            req.headers.pop("if-range", None)
         flow.metadata[_INJECTION_KEY] = injection
         if self.metrics is not None:
             self.metrics.injections.labels(sandbox, injection.secret_id).inc()

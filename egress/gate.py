@@ -606,8 +606,7 @@ class PolicyGate:
                         st, flow.request.host, flow.request.port, scheme=scheme,
                         method=flow.request.method, path=flow.request.path)
                     st.kind = "http"
-        for h in PROXY_ONLY_HEADERS:
-            flow.request.headers.pop(h, None)
+        _drop_headers(flow.request.headers, PROXY_ONLY_HEADERS)
         if refusal is None and decision is not None and decision.action != "allow":
             refusal = Refusal(403, decision.reason, _explain(decision))
         injected = None
@@ -1095,6 +1094,15 @@ def _content_length(headers) -> int | None:
     if len(values) == 1 and values[0].strip().isdigit():
         return int(values[0].strip())
     return None
+
+
+def _drop_headers(headers, names: tuple[str, ...]) -> None:
+    """Remove every field with one of these (lower-case) names; one pass over the fields, where
+    mitmproxy's pop() raises and catches a KeyError for each name that is absent."""
+    present = {k.decode("latin-1").lower() for k, _ in headers.fields}
+    for name in names:
+        if name in present:
+            headers.pop(name, None)
 
 
 def _http1_without_body(req: http.Request) -> bool:
