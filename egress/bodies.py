@@ -134,10 +134,10 @@ class RequestLeakStream:
 class ResponseScrubStream:
     """`flow.response.stream` on an injected flow: forwards the decoded, scrubbed body."""
 
-    def __init__(self, forms: frozenset, encoding: str | None, limits: BodyLimits,
+    def __init__(self, forms, encoding: str | None, limits: BodyLimits,
                  on_refused: Callable[[BodyRefused], None], *, on_loop: bool = True):
         self._decoder = make_decoder(encoding, limits, what="response", on_loop=on_loop)
-        self._scrubber = vaultlib.StreamScrubber(forms)
+        self._scrubber = vaultlib.StreamScrubber(forms)     # a vault.ScrubForms (or the spellings)
         self._limits = limits
         self._on_refused = on_refused
         self.failed: BodyRefused | None = None
@@ -169,15 +169,16 @@ def check_request_body(body: bytes, encoding: str | None, needles, limits: BodyL
         raise refused[0]
 
 
-def scrub_response_body(body: bytes, encoding: str | None, forms: frozenset, limits: BodyLimits, *,
+def scrub_response_body(body: bytes, encoding: str | None, forms, limits: BodyLimits, *,
                         on_loop: bool = True) -> bytes:
-    """A whole (buffered) response body, decoded and scrubbed; raises BodyRefused."""
-    refused: list[BodyRefused] = []
-    stream = ResponseScrubStream(forms, encoding, limits, refused.append, on_loop=on_loop)
-    out = b"".join(stream(body) + stream(b""))
-    if refused:
-        raise refused[0]
-    return out
+    """A whole (buffered) response body, decoded and scrubbed as ResponseScrubStream would;
+    raises BodyRefused. `forms`: a vault.ScrubForms (or the frozenset of spellings)."""
+    compiled = forms if isinstance(forms, vaultlib.ScrubForms) else vaultlib.ScrubForms(forms)
+    decoder = make_decoder(encoding, limits, what="response", on_loop=on_loop)
+    try:
+        return compiled.scrub(decoder.feed(body) + decoder.finish())
+    except Exception as e:  # noqa: BLE001 - fail closed: nothing unscrubbed reaches the sandbox
+        raise _refusal_for(e, "response", limits) from None
 
 
 class RefusedResponseStream:

@@ -76,8 +76,9 @@ class VaultCredentials:
             injection.apply_to_headers(req.headers)
         # A ranged answer hands the sandbox the body in pieces no single scrub pass sees
         # whole (8-byte Range requests reassemble the key): ask for the whole body.
-        for h in ("range", "if-range"):
-            req.headers.pop(h, None)
+        if any(k.lower() in (b"range", b"if-range") for k, _ in req.headers.fields):
+            req.headers.pop("range", None)
+            req.headers.pop("if-range", None)
         flow.metadata[_INJECTION_KEY] = injection
         if self.metrics is not None:
             self.metrics.injections.labels(sandbox, injection.secret_id).inc()
@@ -126,10 +127,11 @@ class VaultCredentials:
                        "which they are not bound to")
 
     # -- response stage ----------------------------------------------------------
-    def injected_forms(self, flow: http.HTTPFlow) -> frozenset | None:
-        """Spellings of the value injected into this flow's request (None: nothing injected)."""
+    def injected_forms(self, flow: http.HTTPFlow) -> "vaultlib.ScrubForms | None":
+        """Spellings of the value injected into this flow's request, compiled once per
+        injection (None: nothing injected)."""
         injection = flow.metadata.get(_INJECTION_KEY)
-        return injection.value_forms if injection is not None else None
+        return injection.scrub_forms if injection is not None else None
 
     def on_response_headers(self, flow: http.HTTPFlow, conn) -> Refusal | None:
         """Scrub the injected value from response headers; refuse what cannot be made safe."""
@@ -142,12 +144,13 @@ class VaultCredentials:
                            "a partial response on a flow that carried a credential cannot be scrubbed whole")
         # The reason phrase is free text the upstream chooses: the standard one goes to the sandbox.
         resp.reason = http.status_codes.RESPONSES.get(resp.status_code, "")
-        fields = []
-        for name, value in resp.headers.fields:
-            fields.append((injection.scrub(name), injection.scrub(value)))
-        resp.headers.fields = tuple(fields)
-        # The value split over several headers, or spelled with escapes, survives a per-header scrub.
+        fields = resp.headers.fields
         joined = b"".join(n + v for n, v in fields)
+        if injection.scrub_forms.occurs_in(joined):   # (no form in the whole: none in any one header)
+            fields = tuple((injection.scrub(name), injection.scrub(value)) for name, value in fields)
+            resp.headers.fields = fields
+            joined = b"".join(n + v for n, v in fields)
+        # The value split over several headers, or spelled with escapes, survives a per-header scrub.
         if _visible(injection, joined) or _visible(injection, b"".join(v for _, v in fields)):
             return Refusal(502, "response_unscrubbable",
                            "response headers carry the injected credential in a form that cannot be removed")
@@ -173,7 +176,7 @@ class VaultCredentials:
 
 def _visible(injection, data: bytes) -> bool:
     """The injected value in `data` in any spelling a receiver could undo (every escape view)."""
-    return bool(vaultlib.Needles([("injected", injection.value_forms)]).find(data))
+    return injection.scrub_forms.visible(data)
 
 
 def _header_blob(req: http.Request) -> bytes:

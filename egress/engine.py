@@ -37,6 +37,7 @@ def build_master(
     log_redact.install()                         # no engine log line does either
     opts = options.Options()
     master = Master(opts, with_termlog=False)
+    mitm_internals.install_hook_table(master)    # each hook's implementers found once, not per event
     # Order matters: our gate sees tls_clienthello before tlsconfig, and
     # next_layer after NextLayer has picked a layer.
     master.addons.add(

@@ -58,7 +58,7 @@ class CredentialHook(Protocol):
 
     def report_leak(self, conn: "ConnState", secret_ids, where: str) -> None: ...
 
-    def injected_forms(self, flow: http.HTTPFlow) -> frozenset | None: ...
+    def injected_forms(self, flow: http.HTTPFlow) -> Any: ...   # vault.ScrubForms | None (nothing injected)
 
     def scrub_trailers(self, flow: http.HTTPFlow, trailers) -> Any: ...
 
@@ -606,8 +606,7 @@ class PolicyGate:
                         st, flow.request.host, flow.request.port, scheme=scheme,
                         method=flow.request.method, path=flow.request.path)
                     st.kind = "http"
-        for h in PROXY_ONLY_HEADERS:
-            flow.request.headers.pop(h, None)
+        _drop_headers(flow.request.headers, PROXY_ONLY_HEADERS)
         if refusal is None and decision is not None and decision.action != "allow":
             refusal = Refusal(403, decision.reason, _explain(decision))
         injected = None
@@ -701,7 +700,7 @@ class PolicyGate:
     def _plan_request_body(self, flow: http.HTTPFlow, st: ConnState) -> Refusal | None:
         req = flow.request
         length = _content_length(req.headers)
-        if length == 0:
+        if length == 0 or _http1_without_body(req):
             return None
         needles = self.credentials.request_needles(flow, st)
         if isinstance(needles, Refusal):
@@ -1097,6 +1096,22 @@ def _content_length(headers) -> int | None:
     return None
 
 
+def _drop_headers(headers, names: tuple[str, ...]) -> None:
+    """Remove every field with one of these (lower-case) names; one pass over the fields, where
+    mitmproxy's pop() raises and catches a KeyError for each name that is absent."""
+    present = {k.decode("latin-1").lower() for k, _ in headers.fields}
+    for name in names:
+        if name in present:
+            headers.pop(name, None)
+
+
+def _http1_without_body(req: http.Request) -> bool:
+    """An HTTP/1 request with neither Content-Length nor Transfer-Encoding has no body
+    (RFC 9112 6.3; mitmproxy reads none): nothing to check. HTTP/2 may send DATA anyway."""
+    return req.http_version.startswith("HTTP/1") and "content-length" not in req.headers \
+        and "transfer-encoding" not in req.headers
+
+
 def _may_have_body(flow: http.HTTPFlow) -> bool:
     status = flow.response.status_code
     return flow.request.method != "HEAD" and status >= 200 and status not in (204, 304)
@@ -1118,6 +1133,7 @@ def _is_agent_target(host: str) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=4096)   # pure, and every request's Host goes through it (IDNA is slow)
 def _canonical_host(h: str) -> str:
     lit = netguard.parse_ip_literal(h)
     return str(lit) if lit is not None else normalize_host(h)

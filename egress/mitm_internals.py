@@ -8,8 +8,10 @@ upstream bytes again).
 from __future__ import annotations
 
 import html
+import inspect
+import types
 
-from mitmproxy import connection, ctx, http
+from mitmproxy import addonmanager, connection, ctx, exceptions, flow, hooks, http
 from mitmproxy.proxy.layers.http import _http1, _http2, _http3
 
 
@@ -290,3 +292,91 @@ def install_websocket_control_scrub() -> None:
 def websocket_control_scrub_installed() -> bool:
     from mitmproxy.proxy.layers import websocket as ws_layer
     return getattr(ws_layer.WebsocketConnection.send2, "_cubegate", False)
+
+
+# -- hook dispatch ------------------------------------------------------------------
+class HookTableAddons(addonmanager.AddonManager):
+    """mitmproxy's AddonManager, with each hook's implementers found once per addon set.
+
+    The stock one walks every addon tree with getattr, in a coroutine per addon, for every
+    event, and a second time for the UpdateHook that follows every flow event (~35 µs per
+    hook with our seven addons, most of it for addons that do not implement it). Same
+    order, same awaiting, same error handling (mitmproxy's safecall: an addon's exception
+    is logged, AddonHalt stops the event); the table is rebuilt whenever the set changes.
+    """
+
+    def __init__(self, master) -> None:
+        super().__init__(master)
+        self._table: dict[str, tuple] = {}
+
+    def register(self, addon):
+        self._table = {}
+        return super().register(addon)
+
+    def add(self, *addons) -> None:
+        super().add(*addons)
+        self._table = {}
+
+    def remove(self, addon) -> None:
+        self._table = {}
+        super().remove(addon)
+
+    def clear(self) -> None:
+        super().clear()
+        self._table = {}
+
+    def implementers(self, name: str) -> tuple:
+        """((top-level addon, (hook functions of it and its sub-addons)), ...) for a hook name."""
+        found = self._table.get(name)
+        if found is None:
+            found = []
+            for top in self.chain:
+                funcs = []
+                for a in addonmanager.traverse([top]):
+                    func = getattr(a, name, None)
+                    if func and not isinstance(func, types.ModuleType):
+                        if not callable(func):
+                            raise exceptions.AddonManagerError(f"Addon handler {name} ({a}) not callable")
+                        funcs.append(func)
+                if funcs:
+                    found.append((top, tuple(funcs)))
+            found = self._table[name] = tuple(found)
+        return found
+
+    async def trigger_event(self, event: hooks.Hook) -> None:
+        table = self.implementers(event.name)
+        if not table:
+            return
+        args = event.args()
+        for _, funcs in table:
+            try:
+                for func in funcs:
+                    res = func(*args)
+                    if res is not None and inspect.isawaitable(res):
+                        await res
+            except exceptions.AddonHalt:
+                return
+            except exceptions.OptionsError:
+                raise
+            except Exception as e:  # noqa: BLE001 - mitmproxy's safecall: logged, the next addon runs
+                addonmanager.logger.error(f"Addon error: {e}",
+                                          exc_info=(type(e), e, addonmanager.cut_traceback(e.__traceback__,
+                                                                                           "trigger_event")))
+
+    async def handle_lifecycle(self, event: hooks.Hook) -> None:
+        await self.trigger_event(event)
+        message = event.args()[0]
+        if isinstance(message, flow.Flow) and self.implementers(hooks.UpdateHook.name):
+            await self.trigger_event(hooks.UpdateHook([message]))
+
+
+def hook_dispatch_installed(master) -> bool:
+    return isinstance(master.addons, HookTableAddons)
+
+
+def install_hook_table(master) -> None:
+    """Before any addon is added: the master dispatches hooks through HookTableAddons."""
+    if master.addons.chain:
+        raise RuntimeError("install the hook table before adding addons")
+    master.options.changed.disconnect(master.addons._configure_all)
+    master.addons = HookTableAddons(master)

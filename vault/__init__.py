@@ -57,7 +57,7 @@ from .errors import (AmbiguousBinding, Conflict, DecryptError, InvalidBinding, I
 from .injection import Injection
 from .forms import normalize
 from .keysource import KEY_ENV_VARS, NoKeySource, unseal_from
-from .scan import LeakFound, Needles, StreamLeakScanner, StreamScrubber, Unscrubbable
+from .scan import LeakFound, Needles, ScrubForms, StreamLeakScanner, StreamScrubber, Unscrubbable
 from .tokens import TokenInfo, TokenStore
 
 __all__ = [
@@ -67,5 +67,5 @@ __all__ = [
     "VaultError", "VaultSealed", "VaultCorrupt", "VaultNotFound", "WrongMasterKey", "KeyFileError",
     "DecryptError", "InvalidName", "InvalidValue", "NotFound", "Conflict", "InvalidBinding",
     "AmbiguousBinding", "PlaintextNotAllowed", "SecretUnavailable",
-    "normalize", "Needles", "LeakFound", "StreamLeakScanner", "StreamScrubber", "Unscrubbable",
+    "normalize", "Needles", "ScrubForms", "LeakFound", "StreamLeakScanner", "StreamScrubber", "Unscrubbable",
 ]

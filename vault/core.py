@@ -80,6 +80,8 @@ class Vault:
         self._gen = -1
         self._bindings: dict[str, list[Binding]] = {}
         self._injections: dict[tuple[str, int], Injection] = {}
+        self._active: dict[tuple[str, str], list[tuple]] = {}   # (tenant, secret) -> active version rows
+        self._selected: dict[tuple, Binding | None] = {}        # (tenant, host, port, method, path) -> binding
         self._leak_forms: dict[tuple[str, str], list[tuple[str, frozenset]]] = {}
         self._needles: dict[tuple, tuple[list, "scan.Needles"]] = {}   # built from the _leak_forms entry it holds
         self.tokens = TokenStore(store)
@@ -342,6 +344,8 @@ class Vault:
             raise VaultCorrupt(f"vault store holds an invalid binding: {e}") from None
         self._bindings = by_tenant
         self._injections.clear()
+        self._active.clear()
+        self._selected.clear()
         self._leak_forms.clear()
         self._needles.clear()
         self._gen = gen
@@ -382,14 +386,27 @@ class Vault:
             return None
         with self._lock:
             self._refresh()
-            binding = select(self._bindings.get(tenant, ()), host=host, port=port, method=method, path=path)
+            # select() reads the path without its query (clean_path): neither is the key, so no
+            # query string (where a placeholder may travel) is kept here
+            key = (tenant, host, port, method, path.split("?", 1)[0].split("#", 1)[0])
+            binding = self._selected.get(key, False)
+            if binding is False:    # the same request line on a keep-alive connection: selected once
+                binding = select(self._bindings.get(tenant, ()), host=host, port=port, method=method, path=path)
+                if len(self._selected) > 4096:
+                    self._selected.clear()
+                self._selected[key] = binding
             if binding is None:
                 return None
             if scheme.lower() not in SECURE_SCHEMES and not binding.match.allow_plaintext:
                 raise PlaintextNotAllowed(f"binding {binding.id!r} injects only over https; "
                                           f"request used {scheme!r}")
             keys = self._require_keys()
-            rows = self._versions_rows(tenant, binding.secret_id, ("active",))
+            rows = self._active.get((tenant, binding.secret_id))
+            if rows is None:      # one query per secret and store generation, not per request
+                if len(self._active) > 4096:
+                    self._active.clear()
+                rows = self._active[(tenant, binding.secret_id)] = self._versions_rows(
+                    tenant, binding.secret_id, ("active",))
             if not rows:
                 raise SecretUnavailable(f"secret {tenant}/{binding.secret_id} (binding {binding.id!r}) "
                                         "has no active version")

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Iterable
 
 from . import forms as _forms
+from .scan import ScrubForms
 
 KINDS = ("header", "query", "basic")
 
@@ -68,6 +70,12 @@ class Injection:
         kept = [(k, v) for k, v in pairs if str(k).lower() != target]
         kept.append((self.name, self._wire_value))
         return kept
+
+    @cached_property
+    def scrub_forms(self) -> ScrubForms:
+        """The forms compiled for body scrubs and escape-aware checks, once per injection (the
+        vault keeps an injection per binding and version, and drops it on any change)."""
+        return ScrubForms(self.value_forms)
 
     def scrub(self, data: bytes | str) -> bytes:
         """Replace the value and its base64/urlencoded/hex forms with [REDACTED]."""

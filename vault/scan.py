@@ -125,6 +125,8 @@ class Needles:
         if self.empty:
             return set()
         data = bytes(data)
+        if not any(first in data for first in _STARTERS):
+            return self.find_raw(data)    # no escape starter: every view is the data itself
         views = _Views(self)
         found: set[str] = set()
         for start in range(0, len(data), _SLICE):
@@ -150,6 +152,8 @@ def _view_paths() -> tuple[tuple[bytes, ...], ...]:
 
 
 VIEWS = _view_paths()
+_VIEW_INDEX = {(): 0} | {path: i for i, path in enumerate(VIEWS, 1)}
+_PARENTS = tuple(_VIEW_INDEX[path[:-1]] for path in VIEWS)   # each view's parent (0: the raw bytes)
 
 
 def _decodings(form: bytes) -> set[bytes]:
@@ -406,25 +410,37 @@ class _Views:
 
     def __init__(self, needles: Needles, track: bool = False):
         self._needles = needles
-        index = {(): 0}
-        for i, path in enumerate(VIEWS, 1):
-            index[path] = i
-        self._parents = [index[path[:-1]] for path in VIEWS]
-        self._rounds = [_Round(path[-1], track) for path in VIEWS]
-        self._matchers = [_Matcher(needles) for _ in range(len(VIEWS) + 1)]
+        self._track = track
+        # Until the first escape starter every view is the raw stream itself: the rounds and
+        # their matchers are made then (_unfold), in the state they would have had by then.
+        self._rounds: list[_Round] = []
+        self._matchers = [_Matcher(needles)]
         self.size = 0                   # raw bytes stepped so far
         self._quiet = True              # no round holds undecoded bytes
 
+    def _unfold(self) -> None:
+        copied, tail = self.size, self._matchers[0].tail
+        for path in VIEWS:
+            rnd = _Round(path[-1], self._track)
+            rnd.consumed = rnd.emitted = copied
+            matcher = _Matcher(self._needles)
+            matcher.tail = tail       # (a copied view's tail is the raw tail, with no changed span)
+            self._rounds.append(rnd)
+            self._matchers.append(matcher)
+
     def step(self, data: bytes, final: bool) -> set[str]:
-        self.size += len(data)
         if self._quiet and not any(first in data for first in _STARTERS):
+            self.size += len(data)
             return self._step_copied(data)
+        if not self._rounds:
+            self._unfold()
+        self.size += len(data)
         max_marks = max(len(data) // (4 * max(self._needles.max_len, 1)), 16)
         outs = [data]
         found = self._matchers[0].scan(data, None)
         rounds_done: dict[tuple, tuple] = {}
         scans_done: dict[tuple, tuple] = {}
-        for parent, rnd, matcher in zip(self._parents, self._rounds, self._matchers[1:]):
+        for parent, rnd, matcher in zip(_PARENTS, self._rounds, self._matchers[1:]):
             source = outs[parent]
             if rnd.copies(source):
                 out, marks = source, ()
@@ -449,6 +465,8 @@ class _Views:
     def _step_copied(self, data: bytes) -> set[str]:
         """step() for data without an escape starter while no round holds anything: every
         round copies it through, so every view gets `data` itself, with no changed span."""
+        if not self._rounds:
+            return self._matchers[0].scan(data, None)
         n = len(data)
         for rnd in self._rounds:
             rnd.consumed += n
@@ -471,13 +489,13 @@ class _Views:
         rest, mapped back round by round to the raw stream; the earliest of them."""
         need = [self.size] + [rnd.emitted for rnd in self._rounds]     # per view, in its output
         seen: dict[tuple, int] = {}
-        for i in range(len(VIEWS), 0, -1):                               # children before parents
+        for i in range(len(self._rounds), 0, -1):                        # children before parents
             rnd = self._rounds[i - 1]
             if rnd.held or rnd.consumed != rnd.emitted:
                 in_need = rnd.input_need(min(need[i], self._matchers[i].pending(rnd.emitted, seen)))
             else:       # it changed nothing so far (escapes shrink): its parent's view, held by it
                 in_need = need[i]
-            parent = self._parents[i - 1]
+            parent = _PARENTS[i - 1]
             if in_need < need[parent]:
                 need[parent] = in_need
         return min(need[0], self._matchers[0].pending(self.size, seen))
@@ -548,6 +566,52 @@ class StreamLeakScanner:
         return out
 
 
+class ScrubForms:
+    """One value's forms compiled once for scrubbing: the leftmost-longest replacement, the
+    prefixes a stream holds back and the needles that check nothing survived. Building it is
+    most of a scrub's cost on a small body: keep one per value (vault.Injection does) and
+    share it between every StreamScrubber and whole-buffer scrub of that value."""
+
+    def __init__(self, forms: frozenset[bytes], replacement: bytes = REDACTED):
+        self.forms = tuple(sorted(f for f in forms if f))
+        self.replacement = bytes(replacement)
+        self._automaton = (_ac.BytesAhoCorasick(list(self.forms), matchkind=_ac.MatchKind.LeftmostLongest)
+                           if self.forms else None)
+        self.keep = max(map(len, self.forms), default=1) - 1
+        self.prefixes = _Prefixes(self.forms)
+        self.needles = Needles([("injected", frozenset(self.forms))])
+
+    def occurs_in(self, data: bytes) -> bool:
+        """Whether a form occurs in `data` as it is (one pass; forms.scrub has nothing to do if not)."""
+        return self._automaton is not None and bool(self._automaton.find_matches_as_indexes(data))
+
+    def visible(self, data: bytes) -> bool:
+        """Whether the value occurs in `data` in any spelling a receiver could undo (every view)."""
+        return bool(self.needles.find(data))
+
+    def scrub(self, data: bytes) -> bytes:
+        """A whole buffer, replaced as a StreamScrubber fed all of it would; raises Unscrubbable."""
+        out, _ = self.replace(bytes(data), len(data))
+        if self.needles.find(out):
+            raise Unscrubbable()
+        return out
+
+    def replace(self, window: bytes, stop: int) -> tuple[bytes, int]:
+        """Replace matches starting before `stop`; (output, input bytes consumed)."""
+        if self._automaton is None:
+            return window[:stop], stop
+        parts, pos = [], 0
+        for _, start, end in self._automaton.find_matches_as_indexes(window):
+            if start >= stop:
+                break
+            parts.append(window[pos:start])
+            parts.append(self.replacement)
+            pos = end
+        used = max(pos, stop)
+        parts.append(window[pos:used])
+        return b"".join(parts), used
+
+
 class StreamScrubber:
     """Replace the injected secret's forms in a stream; refuse what cannot be replaced.
 
@@ -557,18 +621,13 @@ class StreamScrubber:
     everything at once. The replaced stream then goes through a
     StreamLeakScanner on the same forms: a spelling that survived (e.g. every
     character as \\u00XX) raises Unscrubbable. What it holds back is that
-    scanner's hold plus that suffix.
+    scanner's hold plus that suffix. `forms`: the spellings, or a ScrubForms of them.
     """
 
-    def __init__(self, forms: frozenset[bytes], replacement: bytes = REDACTED):
-        self._forms = sorted(f for f in forms if f)
-        self._replacement = bytes(replacement)
-        self._automaton = (_ac.BytesAhoCorasick(self._forms, matchkind=_ac.MatchKind.LeftmostLongest)
-                           if self._forms else None)
-        self._keep = max(map(len, self._forms), default=1) - 1
-        self._prefixes = _Prefixes(self._forms)
+    def __init__(self, forms: "frozenset[bytes] | ScrubForms", replacement: bytes = REDACTED):
+        self._compiled = forms if isinstance(forms, ScrubForms) else ScrubForms(forms, replacement)
         self._held = b""
-        self._check = StreamLeakScanner(Needles([("injected", frozenset(self._forms))]))
+        self._check = StreamLeakScanner(self._compiled.needles)
 
     @property
     def held(self) -> int:
@@ -586,9 +645,10 @@ class StreamScrubber:
         return self._step(b"", final=True)
 
     def _step(self, data: bytes, final: bool) -> bytes:
+        compiled = self._compiled
         window = self._held + data
-        stop = len(window) if final else self._prefixes.first(window, max(len(window) - self._keep, 0))
-        replaced, used = self._replace(window, stop) if stop > 0 else (b"", 0)
+        stop = len(window) if final else compiled.prefixes.first(window, max(len(window) - compiled.keep, 0))
+        replaced, used = compiled.replace(window, stop) if stop > 0 else (b"", 0)
         self._held = window[used:]
         try:
             out = self._check.feed(replaced)
@@ -596,18 +656,3 @@ class StreamScrubber:
         except LeakFound:
             self._held = b""
             raise Unscrubbable() from None
-
-    def _replace(self, window: bytes, stop: int) -> tuple[bytes, int]:
-        """Replace matches starting before `stop`; (output, input bytes consumed)."""
-        if self._automaton is None:
-            return window[:stop], stop
-        parts, pos = [], 0
-        for _, start, end in self._automaton.find_matches_as_indexes(window):
-            if start >= stop:
-                break
-            parts.append(window[pos:start])
-            parts.append(self._replacement)
-            pos = end
-        used = max(pos, stop)
-        parts.append(window[pos:used])
-        return b"".join(parts), used

@@ -105,3 +105,25 @@ def test_our_websocket_predicate_is_mitmproxys():
     src = inspect.getsource(layers_http.HttpStream.send_response)
     for piece in ('status_code == 101', '"upgrade", "").lower() == "websocket"', '"Sec-WebSocket-Version"'):
         assert piece in src, piece
+
+
+def test_hook_table_replicates_addonmanagers_dispatch():
+    """HookTableAddons re-implements trigger_event and handle_lifecycle: when mitmproxy changes
+    how it dispatches (error handling, the UpdateHook after flow events, the configure
+    signal), this fails and the copy must follow."""
+    from mitmproxy import addonmanager
+    trigger = inspect.getsource(addonmanager.AddonManager.trigger_event)
+    assert "for i in self.chain" in trigger and "safecall()" in trigger and "except exceptions.AddonHalt" in trigger
+    invoke = inspect.getsource(addonmanager.AddonManager.invoke_addon)
+    assert "func(*event.args())" in invoke and "inspect.isawaitable(res)" in invoke
+    lifecycle = inspect.getsource(addonmanager.AddonManager.handle_lifecycle)
+    assert "hooks.UpdateHook([message])" in lifecycle and "isinstance(message, flow.Flow)" in lifecycle
+    safecall = inspect.getsource(addonmanager.safecall)
+    assert "(exceptions.AddonHalt, exceptions.OptionsError)" in safecall and "logger.error" in safecall
+    assert "master.options.changed.connect(self._configure_all)" in inspect.getsource(
+        addonmanager.AddonManager.__init__)
+    for name in ("register", "add", "remove", "clear"):       # every way the chain changes is overridden
+        assert name in mitm_internals.HookTableAddons.__dict__, name
+    changers = {n for n, f in vars(addonmanager.AddonManager).items() if inspect.isfunction(f)
+                and any(w in inspect.getsource(f) for w in ("self.chain =", "self.chain.append(", "self.lookup["))}
+    assert changers <= {"register", "add", "remove", "clear", "__init__"}, changers

@@ -137,3 +137,28 @@ def test_placeholders_stable_across_reopen(bound_vault, vault_path, key_path):
     other.unseal_with_key_file(key_path)
     assert other.placeholder_for("acme", "sb1", "openai") == ph
     other.close()
+
+
+def test_what_resolve_keeps_between_requests_follows_every_change(bound_vault, vault_path, key_path):
+    """resolve() keeps the selected binding, the active version and the compiled scrub forms
+    between requests: a change made by another process (the daemon's admin API) is seen on
+    the very next request, and the query string is not part of what is kept."""
+    first = bound_vault.resolve("acme", scheme="https", host="api.openai.com", port=443, method="GET",
+                                path="/v1/models?key=cgph_x")
+    again = _inj(bound_vault)
+    assert again is first and again.scrub_forms is first.scrub_forms        # compiled once
+    assert all("cgph_x" not in str(k) for k in bound_vault._selected)
+    other = Vault.open(vault_path)
+    other.unseal_with_key_file(key_path)
+    try:
+        other.rotate("acme", "openai", SECRET2)
+        rotated = _inj(bound_vault)
+        assert rotated.version == first.version + 1 and SECRET2.encode() in rotated.value_forms
+        assert rotated.scrub_forms.visible(SECRET2.encode()) and not rotated.scrub_forms.visible(SECRET.encode())
+        other.add_binding(header_binding("b-models", path_prefixes=["/v1/models"]))
+        assert _inj(bound_vault).binding_id == "b-models"       # more specific: selected at once
+        other.remove_binding("b-models")
+        other.remove_binding("b-openai")
+        assert _inj(bound_vault) is None
+    finally:
+        other.close()
