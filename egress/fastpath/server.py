@@ -40,7 +40,7 @@ FORCED_CLOSE_GRACE = 2.0
 
 class FastPath:
     def __init__(self, *, gate, master, listen_host: str, explicit_port: int | None,
-                 transparent_port: int | None, idle_timeout: float | None) -> None:
+                 transparent_port: int | None, idle_timeout: float | None, plain_http: bool = True) -> None:
         self.gate = gate            # the shared pieces: policies, identities, guard, resolver, audit, metrics, claims
         self.master = master        # for the hand-over
         self.listen_host = listen_host
@@ -52,6 +52,10 @@ class FastPath:
         self.conns: set[_Conn] = set()
         self.handed_over: set[asyncio.Task] = set()
         self.outcomes = gate.metrics.fast_path
+        self.plain = None                          # plain HTTP decided and relayed here (proxy.fast_plain_http)
+        if plain_http:
+            from egress.fastpath.plain import PlainHttp
+            self.plain = PlainHttp(self)
 
     # ------------------------------------------------------------------ listen
     async def start(self, sockets: dict[bool, list] | None = None) -> None:
@@ -213,7 +217,10 @@ class FastPath:
         end = heads.head_end(c.buf)
         connect = heads.parse_connect(bytes(c.buf[:end])) if end >= 0 else None
         if connect is None:
-            self._hand_over(c)           # plain HTTP, or a head we do not parse: the gate decides
+            if end >= 0 and self.plain is not None and self.plain.takes_explicit(bytes(c.buf[:end])):
+                await self.plain.serve(c)   # absolute-form http:// requests: egress/fastpath/plain.py
+                return
+            self._hand_over(c)           # a head we do not parse (or plain HTTP with fast_plain_http off)
             return
         t0 = time.perf_counter()
         ident = gate.identities.authenticate_header(connect.proxy_authorization)
@@ -322,7 +329,10 @@ class FastPath:
             self._refuse(c, "not_steered", stage="connect")
             return
         if st.port in PLAIN_HTTP_PORTS:
-            self._hand_over(c)           # plain HTTP: the gate decides each request
+            if self.plain is not None:
+                await self.plain.serve(c)   # decided per request: egress/fastpath/plain.py
+            else:
+                self._hand_over(c)       # plain HTTP: the gate decides each request
             return
         if not gate.claims.claim(st, ident):
             self._refuse(c, "sandbox_connection_limit", stage="connect")
