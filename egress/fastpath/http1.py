@@ -27,6 +27,7 @@ class RequestHead:
     keep_alive: bool
     chunked: bool
     content_length: int | None
+    replay: bytearray | None = None    # raw bytes from this request's first on (None: not known whole)
 
     def get_all(self, name: bytes) -> list[bytes]:
         return [v for k, v in self.headers if k.lower() == name]
@@ -49,9 +50,10 @@ def _framing(headers: list[tuple[bytes, bytes]]) -> tuple[bool, int | None]:
 
 class RequestReader:
     """Feeds a client's bytes to llhttp; the parsed pieces land in `events` (bounded by the
-    caller, who stops reading while they pile up). `replay` holds the raw bytes since the
-    parser was last idle at the start of a read, so a request can still be handed over
-    whole (None once a message began in the middle of a read: its first bytes are unknown)."""
+    caller, who stops reading while they pile up). Each head's `replay` collects the raw bytes
+    from its start (and everything read after) until the caller is done with it, so the
+    request can still be handed over whole; it is None when the request began in the middle
+    of a read, after another one (its first byte's position is unknown to us), or grew too long."""
 
     def __init__(self, max_head_bytes: int) -> None:
         self.events: deque = deque()
@@ -64,20 +66,29 @@ class RequestReader:
         self._in_message = False
         self._head_bytes = 0
         self._failed = False
-        self.replay: bytearray | None = bytearray()
+        self._open: list[RequestHead] = []       # heads whose replay still grows
+        self._cur_replay: bytearray | None = None
+        self._data = b""
+        self._feed_start_idle = True
+        self._began_in_feed = False
+        self._replay_limit = max_head_bytes + (1 << 17)
 
     # -------------------------------------------------------------- feeding
     def feed(self, data: bytes) -> None:
         if self._failed:
             return
-        if not self._in_message:
-            self.replay = bytearray(data)     # a message starts here, or after whitespace
-        elif self.replay is not None:
-            self.replay += data
-            if len(self.replay) > self.max_head_bytes + (1 << 17):
-                self.replay = None            # only a head's worth is ever replayed
+        for h in self._open:
+            if h.replay is not None:
+                h.replay += data
+                if len(h.replay) > self._replay_limit:
+                    h.replay = None           # only about a head's worth is ever replayed
         if self._in_head:
             self._head_bytes += len(data)
+            if self._cur_replay is not None:
+                self._cur_replay += data
+        self._feed_start_idle = not self._in_message
+        self._began_in_feed = False
+        self._data = data
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -102,7 +113,16 @@ class RequestReader:
         return kind, value
 
     # ----------------------------------------------------- llhttp callbacks
+    def done_with(self, head: RequestHead) -> None:
+        """The caller decided this request: its raw bytes are no longer needed."""
+        head.replay = None
+        if head in self._open:
+            self._open.remove(head)
+
     def on_message_begin(self) -> None:
+        first = self._feed_start_idle and not self._began_in_feed
+        self._cur_replay = bytearray(self._data) if first else None
+        self._began_in_feed = True
         self._in_message = self._in_head = True
         self._head_bytes = 0
         self._url.clear()
@@ -127,16 +147,19 @@ class RequestReader:
         self._in_head = False
         p = self._parser
         chunked, length = _framing(self._headers)
-        self._push("head", RequestHead(method=p.get_method().decode("ascii", "replace"), target=bytes(self._url),
-                                       version=p.get_http_version(), headers=self._headers,
-                                       keep_alive=p.should_keep_alive(), chunked=chunked, content_length=length))
+        head = RequestHead(method=p.get_method().decode("ascii", "replace"), target=bytes(self._url),
+                           version=p.get_http_version(), headers=self._headers, keep_alive=p.should_keep_alive(),
+                           chunked=chunked, content_length=length, replay=self._cur_replay)
+        self._cur_replay = None
+        if head.replay is not None:
+            self._open.append(head)
+        self._push("head", head)
 
     def on_body(self, body: bytes) -> None:
         self._push("body", bytes(body))
 
     def on_message_complete(self) -> None:
         self._in_message = False
-        self.replay = None                    # bytes after this point in the read are not the next head's start
         self._push("end", None)
 
 
@@ -185,15 +208,14 @@ class ResponseReader:
             return
         if self._in_head:
             self._head_bytes += len(data)
-            if self._head_bytes > self.max_head_bytes + 65536:
-                self._fail("upstream response head too large")
-                return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail("upgrade")
         except httptools.HttpParserError as e:
             self._fail(str(e)[:200] or "parse error")
+        if self._in_head and self._head_bytes > self.max_head_bytes:
+            self._fail("upstream response head too large")    # a head that never ends (bounded)
 
     def eof(self) -> None:
         """The upstream closed: the end of a close-delimited body, else a cut response."""

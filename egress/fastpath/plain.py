@@ -425,6 +425,13 @@ class PlainConn(asyncio.Protocol):
         st.requests += 1
         if needs_mitmproxy(head, transparent=st.transparent):
             return self._hand_over(head)
+        try:
+            return await self._decide(head, t0)
+        finally:
+            self.reader.done_with(head)
+
+    async def _decide(self, head: http1.RequestHead, t0: float) -> bool:
+        gate, st = self.gate, self.st
         path_s = _path_str(head.target)
         refusal = check_header_limits(head.headers, max_count=gate.max_header_count,
                                       max_bytes=gate.max_header_bytes) or check_framing(head.headers)
@@ -896,7 +903,7 @@ class PlainConn(asyncio.Protocol):
     # ---------------------------------------------------------- hand-over
     def _hand_over(self, head: http1.RequestHead) -> bool:
         """mitmproxy takes the rest of the connection, this request's raw bytes replayed."""
-        replay = self.reader.replay
+        replay = head.replay
         if replay is None or self.lost:
             self.st.requests -= 1
             self._deny(Refusal(400, "pipelined_request_refused",
@@ -936,6 +943,9 @@ class _Discard:
 
     def waiting(self) -> bool:
         return self.left >= 0
+
+    def done_with(self, head) -> None:
+        return None
 
 
 _REASONS = {400: b"Bad Request", 403: b"Forbidden", 407: b"Proxy Authentication Required", 413: b"Payload Too Large",
