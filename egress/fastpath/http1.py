@@ -72,6 +72,7 @@ class RequestReader:
         self._feed_start_idle = True
         self._began_in_feed = False
         self._replay_limit = max_head_bytes + (1 << 17)
+        self._why: str | None = None
 
     # -------------------------------------------------------------- feeding
     def feed(self, data: bytes) -> None:
@@ -94,10 +95,10 @@ class RequestReader:
         except httptools.HttpParserUpgrade:
             self._push("upgrade", None)
             self._failed = True
-        except httptools.HttpParserError as e:
-            self._push("error", str(e)[:200] or type(e).__name__)
+        except httptools.HttpParserError as e:   # a callback's own refusal says why (llhttp: "callback error")
+            self._push("error", self._why or str(e)[:200] or type(e).__name__)
             self._failed = True
-        if self._in_head and self._head_bytes > self.max_head_bytes:
+        if self._in_head and self._head_bytes > self.max_head_bytes and not self._failed:
             self._push("error", "head_too_large")
             self._failed = True
 
@@ -132,16 +133,20 @@ class RequestReader:
         self._url += url
         self._head_bytes += len(url)
         if self._head_bytes > self.max_head_bytes:
-            raise httptools.HttpParserError("head_too_large")
+            self._refuse("head_too_large")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self._in_head:
             self._push("trailers", None)      # refused: a trailer cannot be checked before it is sent
-            raise httptools.HttpParserError("trailers")
+            self._refuse("trailers")
         self._headers.append((bytes(name), bytes(value)))
         self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > self.max_head_bytes:
-            raise httptools.HttpParserError("head_too_large")
+            self._refuse("head_too_large")
+
+    def _refuse(self, why: str):
+        self._why = why
+        raise httptools.HttpParserError(why)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
