@@ -235,11 +235,18 @@ class _Upstream(asyncio.Protocol):
         transport.set_write_buffer_limits(high=WRITE_HIGH)
 
     def data_received(self, data: bytes) -> None:
-        self.conn.st.bytes_in += len(data)
+        conn = self.conn
+        conn.st.bytes_in += len(data)
         if self.reader is None:
-            self.conn.upstream_garbage()
+            conn.upstream_garbage()
             return
-        self.reader.feed(data)
+        conn.out = []            # what one read produces goes to the sandbox in one write
+        try:
+            self.reader.feed(data)
+        finally:
+            out, conn.out = conn.out, None
+            if out and not conn.transport.is_closing():
+                conn.transport.write(b"".join(out))
 
     def eof_received(self) -> bool:
         self.closed = True
@@ -290,6 +297,7 @@ class PlainConn(asyncio.Protocol):
         self.lingering = False
         self.up_timer = None
         self.closed = asyncio.get_running_loop().create_future()
+        self.out: list[bytes] | None = None    # response bytes collected during one upstream read
 
     # ------------------------------------------------------------ protocol
     def data_received(self, data: bytes) -> None:
@@ -446,9 +454,11 @@ class PlainConn(asyncio.Protocol):
             return self._hand_over(head)
         if refusal is None:
             path_s = _path_str(target.path)
+            up = self.up
             verdict = await decide_destination(st, target.raw_host, target.port, policies=gate.policies,
                                                guard=gate.guard, resolver=gate.resolver, scheme="http",
-                                               method=head.method, path=path_s)
+                                               method=head.method, path=path_s,
+                                               connected_to=up.target if up is not None and not up.closed else None)
             if self.lost:
                 return False
             decision, refusal = verdict.decision, verdict.refusal
@@ -782,24 +792,30 @@ class PlainConn(asyncio.Protocol):
             self.response.set_result(False)
 
     # ------------------------------------------------- the response (sink)
+    def _send(self, data: bytes) -> None:
+        if self.out is not None:
+            self.out.append(data)
+        else:
+            self.transport.write(data)
+
     def head(self, status: int, reason: bytes, headers, framing: str) -> None:
         if 100 <= status < 200:
-            self.transport.write(http1.serialize_response_head(status, reason, headers))
+            self._send(http1.serialize_response_head(status, reason, headers))
             return
         self._disarm_upstream_timer()
         self.resp_started = True
         self.resp_framing = framing
-        self.transport.write(http1.serialize_response_head(status, reason, headers))
+        self._send(http1.serialize_response_head(status, reason, headers))
 
     def body(self, data: bytes) -> None:
-        self.transport.write(http1.chunk(data) if self.resp_framing == "chunked" else data)
+        self._send(http1.chunk(data) if self.resp_framing == "chunked" else data)
 
     def trailers(self, fields) -> None:
         self.resp_trailers = b"".join(k + b": " + v + b"\r\n" for k, v in fields)
 
     def end(self, keep_alive: bool) -> None:
         if self.resp_framing == "chunked":
-            self.transport.write(b"0\r\n" + self.resp_trailers + b"\r\n")
+            self._send(b"0\r\n" + self.resp_trailers + b"\r\n")
         fut = self.response
         if fut is not None and not fut.done():
             fut.set_result(keep_alive and self.resp_framing != "close")
@@ -813,6 +829,9 @@ class PlainConn(asyncio.Protocol):
                 self.up.close()     # misbehaving after its answer: the connection is not reused
             return
         self._disarm_upstream_timer()
+        out, self.out = self.out, None
+        if out and self.resp_started:
+            self.transport.write(b"".join(out))    # what came before the break, then the reset
         st = self.st
         self.fp._audit("decision", st, decision="deny", reason="upstream_invalid_response", status=502,
                        extra={"error": why[:200]})
