@@ -91,15 +91,10 @@ class VaultCredentials:
             return Refusal(503, "vault_error", f"{type(e).__name__}: {e}")
 
     # -- the fast path's plain-HTTP requests (egress/fastpath/plain.py): no flow, never injected --
-    def check_unbound_request(self, conn, *, method: str, path: str, url: str, fields) -> Refusal | str | None:
-        """on_request's checks for a request the fast path forwards itself: a vault failure and a
-        leak in the request line or headers refuse it; "intercept" when a binding matches after all."""
+    def check_unbound_request(self, conn, *, url: str, fields) -> Refusal | None:
+        """on_request's check for a request the fast path forwards itself, to a host with no binding
+        (needs_interception said so): a leak in the URL or headers, or a vault that cannot tell, refuses it."""
         tenant = _tenant(conn.decision.tenant if conn.decision else None)
-        injection = self._resolve(tenant, "http", conn, method, path)
-        if isinstance(injection, Refusal):
-            return injection
-        if injection is not None:
-            return "intercept"
         return self._leak_check(None, conn, tenant, conn.identity.sandbox_id, header_blob(url, fields), None,
                                 "headers")
 

@@ -74,7 +74,9 @@ def takes_explicit(head: bytes) -> bool:
     return 0 < sp < 32 and head[sp + 1:sp + 8].lower() == b"http://"
 
 
+@functools.lru_cache(maxsize=4096)
 def canonical_host(h: str) -> str:
+    """The gate's _canonical_host (pure: cached; ValueError is not cached and raised again)."""
     lit = netguard.parse_ip_literal(h)
     return str(lit) if lit is not None else normalize_host(h)
 
@@ -197,8 +199,13 @@ class PlainHttp:
     takes_explicit = staticmethod(takes_explicit)
 
     def __init__(self, fp) -> None:
+        from egress.gate import NoCredentials
         self.fp = fp
         self.gate = fp.gate
+        creds = fp.gate.credentials
+        # The vault's checks without a mitmproxy flow (egress/credentials.py); another hook: mitmproxy decides
+        self.leak_checks = hasattr(creds, "check_unbound_request") and hasattr(creds, "unbound_needles")
+        self.supported = self.leak_checks or isinstance(creds, NoCredentials)
 
     async def serve(self, c) -> None:
         """Take over a fast-path connection (_Conn) whose first bytes are in c.buf."""
@@ -431,7 +438,7 @@ class PlainConn(asyncio.Protocol):
         gate, st = self.gate, self.st
         t0 = time.perf_counter()
         st.requests += 1
-        if needs_mitmproxy(head, transparent=st.transparent):
+        if not self.h.supported or needs_mitmproxy(head, transparent=st.transparent):
             return self._hand_over(head)
         try:
             return await self._decide(head, t0)
@@ -470,10 +477,7 @@ class PlainConn(asyncio.Protocol):
         plan = None
         if refusal is None:
             st.decision = decision
-            checked = self._check_head(head, target)
-            if checked == "intercept":
-                return self._hand_over(head)
-            refusal = checked
+            refusal = self._check_head(head, target)
         if refusal is None:
             plan = self._plan_body(head)
             if isinstance(plan, Refusal):
@@ -504,24 +508,21 @@ class PlainConn(asyncio.Protocol):
                            f"sandbox already holds {gate.max_connections_per_sandbox} connections")
         return None
 
-    def _check_head(self, head: http1.RequestHead, target: Target):
+    def _check_head(self, head: http1.RequestHead, target: Target) -> Refusal | None:
         """The outbound leak check of the request line and headers (the gate's on_request)."""
-        creds = self.gate.credentials
-        check = getattr(creds, "check_unbound_request", None)
-        if check is None:
-            return None if not hasattr(creds, "vault") else "intercept"   # a hook we do not know: mitmproxy
-        url = f"http://{target.authority}{_path_str(target.path)}"
-        return check(self.st, method=head.method, path=_path_str(target.path), url=url, fields=head.headers)
+        if not self.h.leak_checks:
+            return None          # NoCredentials: nothing to leak
+        # No await since needs_interception said "no binding here": the same vault state decides both.
+        return self.gate.credentials.check_unbound_request(
+            self.st, url=f"http://{target.authority}{_path_str(target.path)}", fields=head.headers)
 
     def _plan_body(self, head: http1.RequestHead):
         """None (stream as is), a RequestLeakStream, ("hold", needles, encoding), or a Refusal."""
         if not head.has_body:
             return None
-        creds = self.gate.credentials
-        get = getattr(creds, "unbound_needles", None)
-        if get is None:
+        if not self.h.leak_checks:
             return None
-        needles = get(self.st)
+        needles = self.gate.credentials.unbound_needles(self.st)
         if isinstance(needles, Refusal):
             return needles
         if needles is None or needles.empty:
