@@ -244,6 +244,7 @@ class _Upstream(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         conn = self.conn
         conn.st.bytes_in += len(data)
+        conn.last_activity = asyncio.get_running_loop().time()
         if self.reader is None:
             conn.upstream_garbage()
             return
@@ -305,10 +306,13 @@ class PlainConn(asyncio.Protocol):
         self.up_timer = None
         self.closed = asyncio.get_running_loop().create_future()
         self.out: list[bytes] | None = None    # response bytes collected during one upstream read
+        self.idle_timer = None
+        self.last_activity = 0.0
 
     # ------------------------------------------------------------ protocol
     def data_received(self, data: bytes) -> None:
         self.st.bytes_out += len(data)
+        self.last_activity = asyncio.get_running_loop().time()
         self._feed(data)
 
     def _feed(self, data: bytes) -> None:
@@ -415,6 +419,7 @@ class PlainConn(asyncio.Protocol):
                     break
         finally:
             self._disarm_upstream_timer()
+            self._disarm_idle()
             self._release_upstream()
             if not c.handed:
                 self._close_client()
@@ -579,7 +584,11 @@ class PlainConn(asyncio.Protocol):
             body_ok = await self._expect_end()
         if not body_ok:
             return False
-        keep = await self.response
+        self._arm_idle()
+        try:
+            keep = await self.response
+        finally:
+            self._disarm_idle()
         self.response = None
         m = self.gate.metrics
         m.request_latency.labels(st.sandbox).observe(time.perf_counter() - t0)
@@ -767,6 +776,30 @@ class PlainConn(asyncio.Protocol):
     def upstream_garbage(self) -> None:
         if self.up is not None:
             self.up.close()      # bytes with no request outstanding: never relayed
+
+    def _arm_idle(self) -> None:
+        """While a response is awaited or relayed: no byte either way for idle_timeout → reset."""
+        idle = self.fp.idle_timeout
+        if idle:
+            loop = asyncio.get_running_loop()
+            self.last_activity = loop.time()
+            self.idle_timer = loop.call_later(idle, self._idle_check)
+
+    def _disarm_idle(self) -> None:
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+
+    def _idle_check(self) -> None:
+        loop = asyncio.get_running_loop()
+        left = self.last_activity + self.fp.idle_timeout - loop.time()
+        if left > 0:
+            self.idle_timer = loop.call_later(left, self._idle_check)
+            return
+        self.idle_timer = None
+        self._abort()
+        if self.response is not None and not self.response.done():
+            self.response.set_result(False)
 
     def _arm_upstream_timer(self, head, path_s: str) -> None:
         t = self.gate.upstream_timeout

@@ -7,6 +7,7 @@ smuggled second request or a leaked header would show there.
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import sys
@@ -22,7 +23,11 @@ from tests.faults.helpers import proc_rss_kib
 from tests.gateway import rawclient
 from tests.gateway.hostile_env import MODES, SINK, Response, hostile_env, parse_h1
 
-pytestmark = pytest.mark.netns
+_OFF = ("false", "0", "no")
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(
+    os.environ.get("CUBEGATE_PROXY__FAST_PLAIN_HTTP", "").lower() in _OFF
+    or os.environ.get("CUBEGATE_PROXY__FAST_PATH", "").lower() in _OFF,
+    reason="the fast plain-HTTP path is switched off from the environment")]
 
 TPORT = 18077
 MIB = 1 << 20
@@ -474,3 +479,56 @@ def test_sealed_vault_fails_closed(env, lab):
     finally:
         assert admin("/v1/unseal", {"key_file": str(gw.state_dir / "vault.key")}) == "200"
     assert _received(env, m) == []
+
+
+# ------------------------------------------------------- the parser, no network
+from egress.fastpath import http1  # noqa: E402
+from egress.fastpath.plain import parse_refusal  # noqa: E402
+
+
+def _events(raw: bytes, chunks: int = 1) -> list:
+    r = http1.RequestReader(32 * 1024)
+    step = max(1, len(raw) // chunks)
+    for i in range(0, len(raw), step):
+        r.feed(raw[i:i + step])
+    return list(r.events)
+
+
+@pytest.mark.parametrize("chunks", [1, 7, 1000])
+def test_reader_events_do_not_depend_on_how_bytes_arrive(chunks):
+    raw = (b"POST /a HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n3;x\r\nabc\r\n0\r\n\r\n"
+           b"GET /b HTTP/1.1\r\nHost: h\r\n\r\n")
+    ev = _events(raw, chunks)
+    heads = [v for k, v in ev if k == "head"]
+    assert [h.target for h in heads] == [b"/a", b"/b"] and heads[0].chunked
+    assert b"".join(v for k, v in ev if k == "body") == b"abc"
+    assert [k for k, _ in ev if k != "body"] == ["head", "end", "head", "end"]
+
+
+@pytest.mark.parametrize("raw,reason", [
+    (b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n",
+     "content_length_and_transfer_encoding"),
+    (b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\n", "duplicate_content_length"),
+    (b"GET / HTTP/1.1\r\nHost: h\r\nX: a\r\n b\r\n\r\n", "bad_header_value"),     # obs-fold
+    (b"GET / HTTP/1.1\r\nHost: h\nX: b\r\n\r\n", "bad_header_value"),           # bare LF
+    (b"GET / HTTP/1.1\r\nHost: h\r\nX: " + b"a" * 40000 + b"\r\n\r\n", "head_too_large"),
+])
+def test_reader_refuses_what_llhttp_refuses(raw, reason):
+    ev = _events(raw)
+    assert not [k for k, _ in ev if k == "head"], ev
+    (why,) = [v for k, v in ev if k == "error"]
+    assert parse_refusal(why).reason == reason, why
+
+
+def test_reader_turns_trailers_into_a_refusal_and_keeps_replay_per_head():
+    ev = _events(b"POST / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n1\r\na\r\n0\r\nX-T: s\r\n\r\n")
+    assert [k for k, _ in ev][-2:] == ["trailers", "error"]
+    r = http1.RequestReader(32 * 1024)
+    first, second = b"GET /1 HTTP/1.1\r\nHost: h\r\n\r\n", b"GET /2 HTTP/1.1\r\nHost: h\r\n\r\n"
+    r.feed(first)
+    r.feed(second)
+    heads = [v for k, v in r.events if k == "head"]
+    assert bytes(heads[0].replay) == first + second and bytes(heads[1].replay) == second
+    r2 = http1.RequestReader(32 * 1024)
+    r2.feed(first + second)           # pipelined in one read: the second's start is not known
+    assert [v for k, v in r2.events if k == "head"][1].replay is None
