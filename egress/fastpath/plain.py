@@ -89,10 +89,6 @@ class Target:
     authority: str      # for the Host header when the sandbox sent none
 
 
-class HandOver(Exception):
-    """This request needs mitmproxy."""
-
-
 def _split_absolute(target: bytes) -> tuple[str, bytes]:
     """'http://a.b:8/x?y' → ('a.b:8', b'/x?y'); ValueError on anything else."""
     if target[:7].lower() != b"http://":
