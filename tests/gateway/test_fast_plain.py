@@ -17,7 +17,6 @@ import uuid
 
 import pytest
 
-from testbed import netns
 from testbed.hostile import spawn_upstream
 from tests.faults.helpers import eventually, proc_rss_kib
 from tests.gateway import rawclient
