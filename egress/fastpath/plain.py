@@ -153,6 +153,20 @@ def transparent_target(head: http1.RequestHead, conn_port: int) -> Target | Refu
     return Target(hh, conn_port, path, hosts[0])
 
 
+_FRAMING_NAMES = frozenset({b"content-length", b"transfer-encoding", b"host", b"trailer"})
+
+
+def connection_tokens_refusal(head: http1.RequestHead) -> Refusal | None:
+    """`Connection: content-length` asks the next hop to drop a framing header: an upstream
+    proxy that obeys would read the body as the next request. Refused, never forwarded."""
+    for v in head.get_all(b"connection"):
+        for token in v.lower().split(b","):
+            if token.strip() in _FRAMING_NAMES:
+                return Refusal(400, "bad_connection_header",
+                               f"Connection names a framing header ({token.strip().decode('latin-1')})")
+    return None
+
+
 def _is_agent(host: str) -> bool:
     try:
         return normalize_host(host) == AGENT_HOST
@@ -450,7 +464,8 @@ class PlainConn(asyncio.Protocol):
         gate, st = self.gate, self.st
         path_s = _path_str(head.target)
         refusal = check_header_limits(head.headers, max_count=gate.max_header_count,
-                                      max_bytes=gate.max_header_bytes) or check_framing(head.headers)
+                                      max_bytes=gate.max_header_bytes) or check_framing(head.headers) \
+            or connection_tokens_refusal(head)
         target = decision = None
         if refusal is None and not st.transparent:
             refusal = self._authenticate(head)      # every explicit request, as the gate does
@@ -870,7 +885,10 @@ class PlainConn(asyncio.Protocol):
             self.up.reader = None
             self.up.close()
         if self.resp_started:
-            self._abort()
+            # what was relayed is flushed, then a FIN: the sandbox sees a short body or a chunk stream
+            # without its end (a reset could discard the bytes it has not read yet, hiding the cut)
+            self.revoked = True
+            self.transport.close()
         else:
             self._respond_and_close(Refusal(502, "upstream_invalid_response", why[:200]))
         fut.set_result(False)

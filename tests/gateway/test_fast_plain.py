@@ -142,6 +142,8 @@ SMUGGLING = {
     "obs_fold": (["X-A: a", " folded: yes"], b"", 400),
     "nul_in_value": (["X-A: a\x00b"], b"", 400),
     "duplicate_host": ([f"Host: {SINK}"], b"", 400),
+    "connection_drops_cl": (["Content-Length: 46", "Connection: keep-alive, Content-Length"],
+                            b"GET /{m}-inner HTTP/1.1\r\nHost: x\r\n\r\n", 400),
 }
 
 
