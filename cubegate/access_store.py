@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import secrets
-import sqlite3
 import threading
 import time
 from pathlib import Path
+
+from egress.sqlite_db import open_db
 
 STATES = ("pending", "approved", "denied")
 _COLS = "id, sandbox, labels, host, port, reason, state, created, decided, decided_by, scope, grant_name, expires, note"
@@ -29,11 +30,8 @@ def _row(r) -> dict:
 class AccessStore:
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
+        self._db = open_db(self.path)
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS requests (id TEXT PRIMARY KEY, sandbox TEXT NOT NULL, labels TEXT NOT NULL,"
             " host TEXT NOT NULL, port INTEGER NOT NULL, reason TEXT NOT NULL, state TEXT NOT NULL,"

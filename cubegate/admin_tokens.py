@@ -21,16 +21,19 @@ class Actor:
     scope: str      # admin | read
 
 
-def ensure_token_file(path: Path) -> None:
+def ensure_token_file(path: Path, prefix: str = "cgat_") -> None:
+    """A local token file: created once (0600) with a random token, never rewritten."""
     if path.exists():
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write("cgat_" + secrets.token_urlsafe(32) + "\n")
+        f.write(prefix + secrets.token_urlsafe(32) + "\n")
 
 
 class AdminTokens:
+    """The token in `token_file` (actor "local", scope admin), else a vault token with its own scope."""
+
     def __init__(self, token_file: Path, vault_tokens=None):
         self._hash = hashlib.sha256(token_file.read_text().strip().encode()).hexdigest()
         self._vault_tokens = vault_tokens

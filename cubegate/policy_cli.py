@@ -7,44 +7,16 @@ import sys
 from pathlib import Path
 
 import click
-import httpx
 import yaml
 
+from cubegate.api_client import LocalApi, echo_rows
 from cubegate.cli_context import cli_context
 
 
-class PolicyApi:
-    def __init__(self, port: int, token_file: Path, timeout: float = 30.0):
-        try:
-            token = token_file.read_text().strip()
-        except OSError as e:
-            raise click.ClickException(f"cannot read the admin token {token_file}: {e.strerror} "
-                                       "(is the daemon running, and are you root?)") from None
-        self.base = f"http://127.0.0.1:{port}/v1"
-        self.headers = {"Authorization": f"Bearer {token}"}
-        self.timeout = timeout
-
-    def call(self, method: str, path: str, **kw):
-        try:
-            r = httpx.request(method, self.base + path, headers=self.headers, timeout=self.timeout,
-                              trust_env=False, **kw)
-        except httpx.HTTPError as e:
-            raise click.ClickException(f"policy API at {self.base}: {e}") from None
-        if r.status_code >= 400:
-            try:
-                doc = r.json()
-            except ValueError:
-                raise click.ClickException(f"{r.status_code}: {r.text[:500]}") from None
-            lines = [f"{r.status_code}: {doc.get('message', '')}"]
-            for err in doc.get("errors") or []:
-                lines.append(f"  {err['pointer'] or '/'}: {err['message']}")
-            raise click.ClickException("\n".join(lines))
-        return r.json() if r.content else None
-
-
-def _api(ctx: click.Context) -> PolicyApi:
+def _api(ctx: click.Context) -> LocalApi:
     s = cli_context(ctx).settings
-    return PolicyApi(s.policy_api.port, s.admin_token_file)
+    return LocalApi("policy API", s.policy_api.port, s.admin_token_file, timeout=30.0,
+                    hint="is the daemon running, and are you root?")
 
 
 def _echo(doc) -> None:
@@ -118,12 +90,8 @@ def add_policy_commands(policy: click.Group) -> None:
     def history(ctx, name, as_json) -> None:
         """Every version of an API policy, newest first."""
         doc = _api(ctx).call("GET", f"/policies/{name}/history")
-        if as_json:
-            _echo(doc)
-            return
-        for v in doc["versions"]:
-            click.echo(f"v{v['version']:<4} {v['action']:<9} {v['actor']:<16} {v['ts']:.3f}"
-                       + (f"  {v['note']}" if v.get("note") else ""))
+        echo_rows(doc["versions"], lambda v: f"v{v['version']:<4} {v['action']:<9} {v['actor']:<16} {v['ts']:.3f}"
+                  + (f"  {v['note']}" if v.get("note") else ""), as_json=as_json, document=doc, indent=1)
 
     @policy.command("rollback")
     @click.argument("name")
@@ -202,11 +170,8 @@ def access_cli() -> None:
 def access_ls(ctx, state, sandbox, as_json) -> None:
     params = {k: v for k, v in (("state", state), ("sandbox", sandbox)) if v}
     doc = _api(ctx).call("GET", "/access-requests", params=params)
-    if as_json:
-        _echo(doc)
-        return
-    for r in doc["requests"]:
-        click.echo(f"{r['id']}  {r['state']:<8} {r['sandbox']:<20} {r['host']}:{r['port']}  {r['reason'][:60]!r}")
+    echo_rows(doc["requests"], lambda r: f"{r['id']}  {r['state']:<8} {r['sandbox']:<20} {r['host']}:{r['port']}  "
+              f"{r['reason'][:60]!r}", as_json=as_json, document=doc, indent=1)
 
 
 @access_cli.command("approve")

@@ -30,11 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
-import hmac
 import json
-import os
-import secrets
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -42,6 +38,7 @@ import httpkit
 from httpkit import AuditHook, JsonHandler, PathParam, operation
 
 from cubegate import runtime_models as m
+from cubegate.admin_tokens import AdminTokens, ensure_token_file
 from sandbox_runtime.backend import Limits, NotSupported, SandboxError
 from sandbox_runtime.capacity import CapacityError
 from sandbox_runtime.snapshots import SNAPSHOT_ID_RE
@@ -51,29 +48,19 @@ from sandbox_runtime.manager import (SANDBOX_ID_RE, Conflict, CreateRequest, Inv
 MAX_BODY = 48 * 1024 * 1024
 
 
-def ensure_token_file(path: Path) -> None:
-    """The local admin token: created once (0600), read by `cubegate sandbox ...`."""
-    if path.exists():
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write("cgrt_" + secrets.token_urlsafe(32) + "\n")
+RUNTIME_TOKEN_PREFIX = "cgrt_"   # the runtime token file's token (read by `cubegate sandbox ...`)
 
 
 class TokenCheck:
+    """Admin actors only: the runtime token file, or a vault token of scope admin (a read
+    token may not run code in a sandbox)."""
+
     def __init__(self, token_file: Path, vault_tokens=None):
-        self._hash = hashlib.sha256(token_file.read_text().strip().encode()).hexdigest()
-        self._vault_tokens = vault_tokens
+        self._tokens = AdminTokens(token_file, vault_tokens)
 
     def actor(self, token: str) -> str | None:
-        if hmac.compare_digest(self._hash, hashlib.sha256(token.encode()).hexdigest()):
-            return "local"
-        if self._vault_tokens is not None:
-            info = self._vault_tokens.verify(token)
-            if info is not None and info.scope == "admin":
-                return info.id
-        return None
+        found = self._tokens.verify(token)
+        return found.id if found is not None and found.scope == "admin" else None
 
 
 class _Base(JsonHandler):
@@ -379,7 +366,7 @@ class RuntimeServer:
 def serve(manager: SandboxManager, *, host: str, port: int, token_file: Path, vault_tokens=None,
           audit_hook=None, default_backend: str = "namespace", default_limits: Limits = Limits(),
           workers: int = 64, default_template: str | None = None) -> RuntimeServer:
-    ensure_token_file(token_file)
+    ensure_token_file(token_file, RUNTIME_TOKEN_PREFIX)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="runtime")
     app = make_app(manager, TokenCheck(token_file, vault_tokens), pool, audit_hook=audit_hook,
                    default_backend=default_backend, default_limits=default_limits,

@@ -8,39 +8,15 @@ import sys
 from pathlib import Path
 
 import click
-import httpx
 
+from cubegate.api_client import LocalApi, echo_rows
 from cubegate.cli_context import cli_context
 
 
-class Api:
-    def __init__(self, port: int, token_file: Path, timeout: float = 120.0):
-        try:
-            token = token_file.read_text().strip()
-        except OSError as e:
-            raise click.ClickException(f"cannot read the runtime API token {token_file}: {e.strerror} "
-                                       "(is the daemon running with runtime.enabled, and are you root?)") from None
-        self.base = f"http://127.0.0.1:{port}/v1"
-        self.headers = {"Authorization": f"Bearer {token}"}
-        self.timeout = timeout
-
-    def call(self, method: str, path: str, **kw):
-        try:
-            r = httpx.request(method, self.base + path, headers=self.headers, timeout=self.timeout, **kw)
-        except httpx.HTTPError as e:
-            raise click.ClickException(f"sandbox API at {self.base}: {e}") from None
-        if r.status_code >= 400:
-            try:
-                msg = r.json().get("message", r.text)
-            except ValueError:
-                msg = r.text
-            raise click.ClickException(f"{r.status_code}: {msg}")
-        return r
-
-
-def _api(ctx: click.Context, timeout: float = 120.0) -> Api:
+def _api(ctx: click.Context, timeout: float = 120.0) -> LocalApi:
     s = cli_context(ctx).settings
-    return Api(s.runtime.api_port, s.runtime_dir / "api.token", timeout)
+    return LocalApi("runtime API", s.runtime.api_port, s.runtime_dir / "api.token", timeout=timeout,
+                    hint="is the daemon running with runtime.enabled, and are you root?")
 
 
 def _pairs(items: tuple[str, ...], what: str) -> dict[str, str]:
@@ -83,7 +59,7 @@ def create(ctx, sandbox_id, tenant, backend, template, labels, env, secret_env, 
         doc["backend"] = backend
     if template:
         doc["template"] = template
-    out = _api(ctx).call("POST", "/sandboxes", json=doc).json()
+    out = _api(ctx).call("POST", "/sandboxes", json=doc)
     click.echo(json.dumps(out, indent=2) if as_json else
                f"{out['id']} {out['state']} {out['backend']} ip {out['ip']} started in {out['start_ms']} ms")
 
@@ -100,7 +76,7 @@ def exec_(ctx, sandbox_id, argv, timeout, env, use_stdin):
     doc = {"argv": list(argv), "timeout": timeout, "env": _pairs(env, "--env")}
     if use_stdin:
         doc["stdin_b64"] = base64.b64encode(sys.stdin.buffer.read()).decode()
-    out = _api(ctx, timeout + 30).call("POST", f"/sandboxes/{sandbox_id}/exec", json=doc).json()
+    out = _api(ctx, timeout + 30).call("POST", f"/sandboxes/{sandbox_id}/exec", json=doc)
     sys.stdout.buffer.write(base64.b64decode(out["stdout_b64"]))
     sys.stderr.buffer.write(base64.b64decode(out["stderr_b64"]))
     if out["timed_out"]:
@@ -114,14 +90,11 @@ def exec_(ctx, sandbox_id, argv, timeout, env, use_stdin):
 @click.pass_context
 def ls(ctx, as_json):
     """List sandboxes."""
-    rows = _api(ctx).call("GET", "/sandboxes").json()["sandboxes"]
-    if as_json:
-        click.echo(json.dumps(rows, indent=2))
-        return
-    click.echo(f"{'ID':<24} {'TENANT':<14} {'BACKEND':<10} {'STATE':<8} {'IP':<15} {'MEM_MB':>6} START_MS")
-    for r in rows:
-        click.echo(f"{r['id']:<24} {r['tenant']:<14} {r['backend']:<10} {r['state']:<8} {r['ip'] or '-':<15} "
-                   f"{r['limits']['memory_mb']:>6} {r['start_ms']}")
+    echo_rows(_api(ctx).call("GET", "/sandboxes")["sandboxes"],
+              lambda r: f"{r['id']:<24} {r['tenant']:<14} {r['backend']:<10} {r['state']:<8} {r['ip'] or '-':<15} "
+                        f"{r['limits']['memory_mb']:>6} {r['start_ms']}",
+              as_json=as_json,
+              header=f"{'ID':<24} {'TENANT':<14} {'BACKEND':<10} {'STATE':<8} {'IP':<15} {'MEM_MB':>6} START_MS")
 
 
 @sandbox_cli.command("get")
@@ -129,7 +102,7 @@ def ls(ctx, as_json):
 @click.pass_context
 def get(ctx, sandbox_id):
     """One sandbox as JSON, with its measured usage."""
-    click.echo(json.dumps(_api(ctx).call("GET", f"/sandboxes/{sandbox_id}").json(), indent=2))
+    click.echo(json.dumps(_api(ctx).call("GET", f"/sandboxes/{sandbox_id}"), indent=2))
 
 
 @sandbox_cli.command("rm")
@@ -137,10 +110,7 @@ def get(ctx, sandbox_id):
 @click.pass_context
 def rm(ctx, sandbox_ids):
     """Destroy sandboxes (processes, cgroups, network, identity)."""
-    api = _api(ctx)
-    for sid in sandbox_ids:
-        api.call("DELETE", f"/sandboxes/{sid}")
-        click.echo(f"{sid} destroyed")
+    _delete_each(ctx, "sandboxes", sandbox_ids, "destroyed")
 
 
 @sandbox_cli.command("init")
@@ -151,7 +121,7 @@ def rm(ctx, sandbox_ids):
 def init(ctx, sandbox_id, env, secret_env):
     """Re-apply runtime state (current placeholders + env); idempotent."""
     out = _api(ctx).call("POST", f"/sandboxes/{sandbox_id}/init",
-                         json={"env": _pairs(env, "--env"), "secret_env": _pairs(secret_env, "--secret-env")}).json()
+                         json={"env": _pairs(env, "--env"), "secret_env": _pairs(secret_env, "--secret-env")})
     click.echo(f"{out['id']}: env {', '.join(out['env']) or '-'}")
 
 
@@ -170,7 +140,7 @@ def cp(ctx, src, dst):
         api.call("PUT", f"/sandboxes/{sid}/files", params={"path": path}, content=Path(src).read_bytes())
     elif remote(src) and not remote(dst):
         sid, path = remote(src)
-        Path(dst).write_bytes(api.call("GET", f"/sandboxes/{sid}/files", params={"path": path}).content)
+        Path(dst).write_bytes(api.request("GET", f"/sandboxes/{sid}/files", params={"path": path}).content)
     else:
         raise click.BadParameter("exactly one side must be SANDBOX_ID:/absolute/path")
     click.echo(f"{src} -> {dst}")
@@ -184,7 +154,7 @@ def cp(ctx, src, dst):
 def snapshot(ctx, sandbox_id, snapshot_id, as_json):
     """Snapshot a sandbox's files (its writable layer); its processes are not kept."""
     doc = {"id": snapshot_id} if snapshot_id else {}
-    out = _api(ctx).call("POST", f"/sandboxes/{sandbox_id}/snapshot", json=doc).json()
+    out = _api(ctx).call("POST", f"/sandboxes/{sandbox_id}/snapshot", json=doc)
     click.echo(json.dumps(out, indent=2) if as_json else
                f"{out['id']} of {out['sandbox']} ({out['template']}, {out['size_bytes']} bytes)")
 
@@ -202,12 +172,8 @@ def clone(ctx, snapshot_id, sandbox_ids, labels, env, secret_env, as_json):
     address, placeholders and policy."""
     doc = {"ids": list(sandbox_ids), "labels": _pairs(labels, "--label"), "env": _pairs(env, "--env"),
            "secret_env": _pairs(secret_env, "--secret-env")}
-    out = _api(ctx).call("POST", f"/snapshots/{snapshot_id}/clone", json=doc).json()["sandboxes"]
-    if as_json:
-        click.echo(json.dumps(out, indent=2))
-        return
-    for sb in out:
-        click.echo(f"{sb['id']} {sb['state']} ip {sb['ip']} started in {sb['start_ms']} ms")
+    echo_rows(_api(ctx).call("POST", f"/snapshots/{snapshot_id}/clone", json=doc)["sandboxes"],
+              lambda sb: f"{sb['id']} {sb['state']} ip {sb['ip']} started in {sb['start_ms']} ms", as_json=as_json)
 
 
 @sandbox_cli.command("rollback")
@@ -216,7 +182,7 @@ def clone(ctx, snapshot_id, sandbox_ids, labels, env, secret_env, as_json):
 @click.pass_context
 def rollback(ctx, sandbox_id, snapshot_id):
     """Stop the sandbox, restore its files from a snapshot, start it again (new processes)."""
-    out = _api(ctx).call("POST", f"/sandboxes/{sandbox_id}/rollback", json={"snapshot": snapshot_id}).json()
+    out = _api(ctx).call("POST", f"/sandboxes/{sandbox_id}/rollback", json={"snapshot": snapshot_id})
     click.echo(f"{out['id']} {out['state']}: files of snapshot {snapshot_id}")
 
 
@@ -225,14 +191,10 @@ def rollback(ctx, sandbox_id, snapshot_id):
 @click.pass_context
 def snapshots(ctx, as_json):
     """List snapshots."""
-    rows = _api(ctx).call("GET", "/snapshots").json()["snapshots"]
-    if as_json:
-        click.echo(json.dumps(rows, indent=2))
-        return
-    click.echo(f"{'ID':<40} {'SANDBOX':<24} {'TENANT':<14} {'TEMPLATE':<10} {'BYTES':>10}")
-    for r in rows:
-        click.echo(f"{r['id']:<40} {r['sandbox']:<24} {r['tenant']:<14} {r['template'] or '-':<10} "
-                   f"{r['size_bytes']:>10}")
+    echo_rows(_api(ctx).call("GET", "/snapshots")["snapshots"],
+              lambda r: f"{r['id']:<40} {r['sandbox']:<24} {r['tenant']:<14} {r['template'] or '-':<10} "
+                        f"{r['size_bytes']:>10}",
+              as_json=as_json, header=f"{'ID':<40} {'SANDBOX':<24} {'TENANT':<14} {'TEMPLATE':<10} {'BYTES':>10}")
 
 
 @sandbox_cli.command("snapshot-rm")
@@ -240,7 +202,12 @@ def snapshots(ctx, as_json):
 @click.pass_context
 def snapshot_rm(ctx, snapshot_ids):
     """Remove snapshots."""
+    _delete_each(ctx, "snapshots", snapshot_ids, "removed")
+
+
+def _delete_each(ctx: click.Context, collection: str, ids: tuple[str, ...], done: str) -> None:
+    """DELETE /<collection>/<id> for each id in turn (the first refusal stops the rest)."""
     api = _api(ctx)
-    for sid in snapshot_ids:
-        api.call("DELETE", f"/snapshots/{sid}")
-        click.echo(f"{sid} removed")
+    for item in ids:
+        api.call("DELETE", f"/{collection}/{item}")
+        click.echo(f"{item} {done}")

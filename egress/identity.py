@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from egress.sqlite_db import open_db
+
 SANDBOX_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 CACHE_MAX = 65536   # cached (sandbox, token hash) pairs; cleared whole when full
 LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,62}$")
@@ -65,10 +67,8 @@ def parse_proxy_authorization(value: str | None) -> tuple[str, str] | None:
 class IdentityStore:
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db = open_db(self.path)
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS identities ("
             " sandbox_id TEXT PRIMARY KEY, labels TEXT NOT NULL, token_hash TEXT NOT NULL,"

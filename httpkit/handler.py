@@ -9,20 +9,17 @@ audit record holds; each route is then a small class with `@operation` methods.
 from __future__ import annotations
 
 import json
-import logging
-import traceback
-from typing import Any, Callable
+from typing import Any
 
-import tornado.web
 from pydantic import BaseModel
 
-from .errors import ApiError, ErrorMap, phrase, to_api_error
+from .audited import AuditedHandler, AuditHook
+from .errors import ApiError, ErrorMap, phrase
 
-AuditHook = Callable[[dict], None]
-log = logging.getLogger("httpkit")
+__all__ = ["AuditHook", "JsonHandler", "NotFoundHandler"]
 
 
-class JsonHandler(tornado.web.RequestHandler):
+class JsonHandler(AuditedHandler):
     action = "unknown"          # audit action; ".<method>" is appended per request
     public = False              # True: no token asked (e.g. the OpenAPI document)
     realm = "api"               # WWW-Authenticate realm on 401
@@ -41,10 +38,6 @@ class JsonHandler(tornado.web.RequestHandler):
 
     def authorize(self) -> None:
         """Raise ApiError(403, ...) when self.actor may not do this request."""
-
-    def audit_record(self) -> dict | None:
-        """The record for audit_hook when the request is done (None: nothing to record)."""
-        return None
 
     # -- request ---------------------------------------------------------------
     def prepare(self) -> None:
@@ -76,13 +69,7 @@ class JsonHandler(tornado.web.RequestHandler):
 
     # -- errors ----------------------------------------------------------------
     def _handle_request_exception(self, e: BaseException) -> None:
-        err = to_api_error(e, self.error_map)
-        if err is None:
-            # the type and where, never the text or locals: they may hold request data
-            frame = traceback.extract_tb(e.__traceback__)[-1:] if e.__traceback__ else []
-            where = f" at {frame[0].filename}:{frame[0].lineno}" if frame else ""
-            log.error("%s: internal error %s in %s%s", type(self).__module__, type(e).__name__, self.action, where)
-            err = ApiError(500, "internal", "internal error")
+        err = self.api_error(e)
         if self._finished:
             return
         self.reason = err.message
@@ -94,21 +81,6 @@ class JsonHandler(tornado.web.RequestHandler):
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:   # what tornado itself refuses
         self.reply(status_code, {"error": "http_error", "message": phrase(status_code)})
-
-    def on_finish(self) -> None:
-        if self.audit_hook is None:
-            return
-        record = self.audit_record()
-        if record is None:
-            return
-        try:
-            self.audit_hook(record)
-        except Exception as e:  # the action is done; make the failure visible
-            log.error("%s: audit hook failed: %s", type(self).__module__, type(e).__name__)
-
-    def outcome(self) -> str:
-        status = self.get_status()
-        return "ok" if status < 400 else ("denied" if status in (401, 403) else "error")
 
 
 class NotFoundHandler(JsonHandler):

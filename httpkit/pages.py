@@ -21,19 +21,16 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
-import logging
 import secrets
-import traceback
 from typing import Any
 
 import tornado.iostream
 import tornado.web
 
-from .errors import ApiError, ErrorMap, phrase, to_api_error
-from .handler import AuditHook
+from .audited import AuditedHandler, AuditHook
+from .errors import ApiError, ErrorMap, phrase
 from .session import Session, SessionStore
 
-log = logging.getLogger("httpkit")
 SAFE_METHODS = ("GET", "HEAD")
 STRICT_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
               "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
@@ -59,7 +56,7 @@ def security_headers(handler: tornado.web.RequestHandler, csp: str = STRICT_CSP)
     handler.clear_header("Server")
 
 
-class SessionHandler(tornado.web.RequestHandler):
+class SessionHandler(AuditedHandler):
     action = "unknown"          # audit action (one handler = one action: name it fully)
     public = False              # True: no session needed (login page, static assets)
     touch = True                # False: a poll or stream, which must not keep an idle session alive
@@ -90,9 +87,6 @@ class SessionHandler(tornado.web.RequestHandler):
 
     def allowed_host(self, host_name: str) -> bool:
         return loopback_host(host_name)
-
-    def audit_record(self) -> dict | None:
-        return None
 
     def send_error_reply(self, err: ApiError) -> None:
         """How an error is answered (JSON here; pages render HTML)."""
@@ -216,12 +210,7 @@ class SessionHandler(tornado.web.RequestHandler):
         if isinstance(e, tornado.iostream.StreamClosedError):
             self.events_open = False
             return
-        err = to_api_error(e, self.error_map)
-        if err is None:
-            frame = traceback.extract_tb(e.__traceback__)[-1:] if e.__traceback__ else []
-            where = f" at {frame[0].filename}:{frame[0].lineno}" if frame else ""
-            log.error("%s: internal error %s in %s%s", type(self).__module__, type(e).__name__, self.action, where)
-            err = ApiError(500, "internal", "internal error")
+        err = self.api_error(e)
         self.reason = err.message
         if self._finished:
             return
@@ -234,21 +223,6 @@ class SessionHandler(tornado.web.RequestHandler):
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:   # what tornado itself refuses
         self.send_error_reply(ApiError(status_code, "http_error", phrase(status_code)))
-
-    def on_finish(self) -> None:
-        if self.audit_hook is None:
-            return
-        record = self.audit_record()
-        if record is None:
-            return
-        try:
-            self.audit_hook(record)
-        except Exception as e:
-            log.error("%s: audit hook failed: %s", type(self).__module__, type(e).__name__)
-
-    def outcome(self) -> str:
-        status = self.get_status()
-        return "ok" if status < 400 else ("denied" if status in (401, 403) else "error")
 
 
 class PublicStaticHandler(tornado.web.StaticFileHandler):

@@ -48,25 +48,24 @@ import base64
 import gzip
 import hashlib
 import json
-import signal
 import ssl
-import subprocess
 import sys
 import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import parse_qs, quote, urlsplit
 
 import brotli
 
+from testbed.serving import LabServer, serve_until_stopped, spawn_upstream, tls_context
+
 LOGGED_BODY = 1 << 20
 MAX_BYTES = 1 << 30
 PROGRESS_EVERY = 16 << 20
-HANDSHAKE_TIMEOUT = 10
 IDLE_TIMEOUT = 30
 MIB = 1 << 20
 
@@ -593,40 +592,26 @@ def serve_h2(sock: ssl.SSLSocket, srv: "Server") -> None:
 
 
 # ------------------------------------------------------------------------------ server
-class Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 128
-
+class Server(LabServer):
     def __init__(self, address: tuple[str, int], tls: ssl.SSLContext | None, log: RequestLog) -> None:
-        self.tls_context = tls
-        self.tls = tls is not None
         self.log = log
-        super().__init__(address, H1Handler)
+        super().__init__(address, H1Handler, tls)
 
     def finish_request(self, request, client_address) -> None:
         self.log.write("connect", server=f"{self.server_address[0]}:{self.server_address[1]}",
                        client=f"{client_address[0]}:{client_address[1]}", tls=self.tls)
-        if self.tls_context is not None:
-            request.settimeout(HANDSHAKE_TIMEOUT)
-            try:
-                request = self.tls_context.wrap_socket(request, server_side=True)
-            except (ssl.SSLError, OSError):
-                return
-            if request.selected_alpn_protocol() == "h2":
-                try:
-                    serve_h2(request, self)
-                except (ConnectionError, OSError, ssl.SSLError):
-                    pass
-                finally:
-                    request.close()
-                return
         super().finish_request(request, client_address)
 
-    def handle_error(self, request, client_address) -> None:
-        exc = sys.exc_info()[1]
-        if not isinstance(exc, (ConnectionError, TimeoutError, ssl.SSLError)):
-            super().handle_error(request, client_address)
+    def serve_other_protocol(self, request: ssl.SSLSocket) -> bool:
+        if request.selected_alpn_protocol() != "h2":
+            return False
+        try:
+            serve_h2(request, self)
+        except (ConnectionError, OSError, ssl.SSLError):
+            pass
+        finally:
+            request.close()
+        return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -649,28 +634,6 @@ def main(argv: list[str] | None = None) -> int:
         for port in args.extra_port:
             servers.append(Server((bind, port), None, log))
     return serve_until_stopped(servers, "hostile")
-
-
-def tls_context(cert: str, key: str, alpn: list[str]) -> ssl.SSLContext:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(cert, key)
-    ctx.set_alpn_protocols(alpn)
-    return ctx
-
-
-def serve_until_stopped(servers: list[Server], name: str) -> int:
-    """Serve every server in its own thread, say READY, and stop on SIGTERM/SIGINT."""
-    for server in servers:
-        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    print(f"READY {name} " + " ".join(f"{s.server_address[0]}:{s.server_address[1]}" for s in servers), flush=True)
-    while not stop.wait(0.2):
-        pass
-    for server in servers:
-        server.server_close()
-    return 0
 
 
 # ------------------------------------------------------------------------- lab wiring
@@ -720,37 +683,28 @@ class HostileUpstream:
 
 
 def ensure_hostile(lab) -> HostileUpstream:
-    """Start the hostile upstream once per lab (names in the lab DNS, cert from the lab CA)."""
-    existing = getattr(lab, "_hostile", None)
+    """Start the hostile upstream once per lab."""
+    args = [a for ip in HOSTILE_HOSTS.values() for a in ("--bind", ip)]
+    args += [a for port in EXTRA_PORTS for a in ("--extra-port", str(port))]
+    return ensure_in_lab(lab, "_hostile", HOSTILE_HOSTS, "testbed.hostile", args)
+
+
+def ensure_in_lab(lab, attr: str, hosts: dict[str, str], module: str, args: list[str]) -> HostileUpstream:
+    """Start `python -m module` once per lab (kept as lab.<attr>) for `hosts`: their names in
+    the lab DNS, one certificate from the lab CA, its request log in the lab's workdir."""
+    existing = getattr(lab, attr, None)
     if existing is not None and existing.popen.poll() is None:
         return existing
-    for name, ip in HOSTILE_HOSTS.items():
+    for name, ip in hosts.items():
         lab.add_host(name, ip)
-    cert, key = lab.ca.issue(list(HOSTILE_HOSTS), list(HOSTILE_HOSTS.values()), stem="hostile")
-    log_path = Path(lab.workdir) / "hostile.jsonl"
-    argv = [sys.executable, "-m", "testbed.hostile", "--cert", str(cert), "--key", str(key), "--log", str(log_path)]
-    for ip in HOSTILE_HOSTS.values():
-        argv += ["--bind", ip]
-    for port in EXTRA_PORTS:
-        argv += ["--extra-port", str(port)]
-    lab._hostile = HostileUpstream(lab, log_path, spawn_upstream(lab, argv, "hostile"))
-    return lab._hostile
-
-
-def spawn_upstream(lab, argv: list[str], name: str):
-    """Start an upstream process in the lab's net namespace and wait (10 s at most) for its READY line."""
-    popen = lab.spawn_net(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
-    deadline = time.monotonic() + 10
-    line = ""
-    while time.monotonic() < deadline:
-        line = popen.stdout.readline()
-        if line.startswith("READY") or not line:
-            break
-    if not line.startswith("READY"):
-        popen.kill()
-        raise RuntimeError(f"{name} upstream did not start: {line!r}")
-    threading.Thread(target=lambda: [None for _ in popen.stdout], daemon=True).start()  # keep the pipe drained
-    return popen
+    stem = module.rsplit(".", 1)[-1].replace("_", "-")
+    cert, key = lab.ca.issue(list(hosts), list(hosts.values()), stem=stem)
+    log_path = Path(lab.workdir) / f"{stem}.jsonl"
+    argv = [sys.executable, "-m", module, "--cert", str(cert), "--key", str(key), "--log", str(log_path), *args]
+    up = HostileUpstream(lab, log_path, spawn_upstream(lab, argv, stem))
+    up.hosts = dict(hosts)
+    setattr(lab, attr, up)
+    return up
 
 
 if __name__ == "__main__":

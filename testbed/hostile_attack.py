@@ -36,10 +36,10 @@ import base64
 import gzip
 import sys
 import time
-from pathlib import Path
 
 from testbed import hostile
 from testbed.hostile import MIB, Reply, Request, RequestLog
+from testbed.serving import serve_until_stopped, tls_context
 
 ATTACK_HOSTS = {
     "evil.allowed.test": "198.18.0.36",      # bound (ekey), h2 + http/1.1, plain :80 too
@@ -224,29 +224,16 @@ def main(argv: list[str] | None = None) -> int:
     servers: list[hostile.Server] = []
     for bind in args.bind:
         servers.append(hostile.Server((bind, 80), None, log))
-        servers.append(hostile.Server((bind, 443), hostile.tls_context(args.cert, args.key, ["h2", "http/1.1"]), log))
+        servers.append(hostile.Server((bind, 443), tls_context(args.cert, args.key, ["h2", "http/1.1"]), log))
     for bind in args.h1_only:   # ALPN never picks h2 here: every connection is served as HTTP/1.1
-        servers.append(hostile.Server((bind, 443), hostile.tls_context(args.cert, args.key, ["http/1.1"]), log))
-    return hostile.serve_until_stopped(servers, "hostile-attack")
+        servers.append(hostile.Server((bind, 443), tls_context(args.cert, args.key, ["http/1.1"]), log))
+    return serve_until_stopped(servers, "hostile-attack")
 
 
 def ensure_attack_upstream(lab) -> hostile.HostileUpstream:
-    """Start this upstream once per lab (names in the lab DNS, cert from the lab CA)."""
-    existing = getattr(lab, "_hostile_attack", None)
-    if existing is not None and existing.popen.poll() is None:
-        return existing
-    for name, ip in ATTACK_HOSTS.items():
-        lab.add_host(name, ip)
-    cert, key = lab.ca.issue(list(ATTACK_HOSTS), list(ATTACK_HOSTS.values()), stem="hostile-attack")
-    log_path = Path(lab.workdir) / "hostile-attack.jsonl"
-    argv = [sys.executable, "-m", "testbed.hostile_attack", "--cert", str(cert), "--key", str(key),
-            "--log", str(log_path)]
-    for name, ip in ATTACK_HOSTS.items():
-        argv += ["--h1-only" if name in H1_ONLY else "--bind", ip]
-    up = hostile.HostileUpstream(lab, log_path, hostile.spawn_upstream(lab, argv, "hostile-attack"))
-    up.hosts = dict(ATTACK_HOSTS)
-    lab._hostile_attack = up
-    return up
+    """Start this upstream once per lab."""
+    args = [a for name, ip in ATTACK_HOSTS.items() for a in ("--h1-only" if name in H1_ONLY else "--bind", ip)]
+    return hostile.ensure_in_lab(lab, "_hostile_attack", ATTACK_HOSTS, "testbed.hostile_attack", args)
 
 
 if __name__ == "__main__":

@@ -21,19 +21,19 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import signal
 import ssl
 import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
+from testbed.serving import LabServer, serve_until_stopped, spawn_upstream, tls_context
+
 MAX_EVENTS = 1000
 MAX_GAP = 2.0
-HANDSHAKE_TIMEOUT = 10
 
 
 def event_bytes(index: int, text: str) -> bytes:
@@ -112,26 +112,10 @@ class Handler(BaseHTTPRequestHandler):
         self.close_connection = True
 
 
-class Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
+class Server(LabServer):
     def __init__(self, address: tuple[str, int], tls: ssl.SSLContext, log: Log) -> None:
-        self.tls_context = tls
         self.log = log
-        super().__init__(address, Handler)
-
-    def finish_request(self, request, client_address) -> None:
-        request.settimeout(HANDSHAKE_TIMEOUT)
-        try:
-            request = self.tls_context.wrap_socket(request, server_side=True)
-        except (ssl.SSLError, OSError):
-            return
-        super().finish_request(request, client_address)
-
-    def handle_error(self, request, client_address) -> None:
-        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError, ssl.SSLError)):
-            super().handle_error(request, client_address)
+        super().__init__(address, Handler, tls)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,19 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--key", required=True)
     parser.add_argument("--log", required=True)
     args = parser.parse_args(argv)
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(args.cert, args.key)
-    ctx.set_alpn_protocols(["http/1.1"])
-    server = Server((args.bind, args.https_port), ctx, Log(args.log))
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    print(f"READY sse {args.bind}:{args.https_port}", flush=True)
-    while not stop.wait(0.2):
-        pass
-    server.server_close()
-    return 0
+    server = Server((args.bind, args.https_port), tls_context(args.cert, args.key, ["http/1.1"]), Log(args.log))
+    return serve_until_stopped([server], "sse")
 
 
 # ------------------------------------------------------------------------- lab wiring
@@ -192,19 +165,7 @@ def start_sse(lab, name: str, ip: str) -> SseUpstream:
     log_path = Path(lab.workdir) / f"sse-{ip}.jsonl"
     argv = [sys.executable, "-m", "testbed.sse", "--bind", ip, "--cert", str(cert), "--key", str(key),
             "--log", str(log_path)]
-    popen = lab.spawn_net(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
-    upstream = SseUpstream(name, ip, log_path, popen)
-    deadline = time.monotonic() + 10
-    line = ""
-    while time.monotonic() < deadline:
-        line = popen.stdout.readline()
-        if line.startswith("READY") or not line:
-            break
-    if not line.startswith("READY"):
-        upstream.stop()
-        raise RuntimeError(f"sse upstream did not start: {line!r}")
-    threading.Thread(target=lambda: [None for _ in popen.stdout], daemon=True).start()  # keep the pipe drained
-    return upstream
+    return SseUpstream(name, ip, log_path, spawn_upstream(lab, argv, "sse"))
 
 
 if __name__ == "__main__":

@@ -22,19 +22,17 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import signal
-import socket
 import ssl
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, urlsplit
+
+from testbed.serving import LabServer, serve_until_stopped, tls_context
 
 MAX_BYTES = 256 * 1024 * 1024
 MAX_BODY = 64 * 1024 * 1024
 BODY_SHOWN = 64 * 1024
-HANDSHAKE_TIMEOUT = 10
 IDLE_TIMEOUT = 30
 
 
@@ -158,37 +156,16 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200, json.dumps(info, sort_keys=True).encode() + b"\n", extra)
 
 
-class Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 128
-
+class Server(LabServer):
     def __init__(self, address: tuple[str, int], label: str, tls: ssl.SSLContext | None,
                  quiet: bool) -> None:
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.label = label
-        self.tls_context = tls
-        self.tls = tls is not None
         self.quiet = quiet
-        super().__init__(address, Handler)
+        super().__init__(address, Handler, tls)
 
-    def finish_request(self, request, client_address) -> None:
-        # TLS handshake in the per-connection thread, not in accept():
-        # a slow client must not stall everyone else.
-        if self.tls_context is not None:
-            request.settimeout(HANDSHAKE_TIMEOUT)
-            try:
-                request = self.tls_context.wrap_socket(request, server_side=True)
-            except (ssl.SSLError, OSError) as e:
-                if not self.quiet:
-                    print(f"{self.label} {client_address[0]} TLS handshake failed: {e}", flush=True)
-                return
-        super().finish_request(request, client_address)
-
-    def handle_error(self, request, client_address) -> None:
-        exc = sys.exc_info()[1]
-        if not isinstance(exc, (ConnectionError, TimeoutError, ssl.SSLError)):
-            super().handle_error(request, client_address)
+    def handshake_failed(self, client_address, error: Exception) -> None:
+        if not self.quiet:
+            print(f"{self.label} {client_address[0]} TLS handshake failed: {error}", flush=True)
 
 
 def _servers_for(bind: str, label: str, http_port: int, https_port: int,
@@ -197,10 +174,7 @@ def _servers_for(bind: str, label: str, http_port: int, https_port: int,
     if http_port:
         servers.append(Server((bind, http_port), label, None, quiet))
     if cert and https_port:
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.load_cert_chain(cert, key)
-        ctx.set_alpn_protocols(["http/1.1"])
-        servers.append(Server((bind, https_port), label, ctx, quiet))
+        servers.append(Server((bind, https_port), label, tls_context(cert, key, ["http/1.1"]), quiet))
     return servers
 
 
@@ -225,21 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     for site in args.site:
         bind, name, cert, key = site.split(",", 3)
         servers += _servers_for(bind, name, args.http_port, args.https_port, cert, key, args.quiet)
-    for server in servers:
-        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
-
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    listening = " ".join(f"{s.label}={s.server_address[0]}:{s.server_address[1]}" for s in servers)
-    print(f"READY upstream {listening}", flush=True)
-    while not stop.wait(0.2):
-        pass
-    # Serving threads are daemons: closing the listeners and returning is
-    # enough, and much faster than shutdown() waiting for each poll.
-    for server in servers:
-        server.server_close()
-    return 0
+    return serve_until_stopped(servers, "upstream",
+                               lambda s: f"{s.label}={s.server_address[0]}:{s.server_address[1]}")
 
 
 if __name__ == "__main__":

@@ -83,7 +83,8 @@ class E2bError(Exception):
 def control_error(e: BaseException) -> E2bError | None:
     """A runtime error as the control plane answers it (None: unexpected)."""
     for types, status in (((NotFound,), 404), ((Conflict,), 409), ((SecretRefused, InvalidRequest), 400),
-                          ((CapacityError, LaneFull), 429), ((Gone,), 499), ((NotSupported,), 501), ((Unavailable,), 503),
+                          ((CapacityError, LaneFull), 429), ((Gone,), 499), ((NotSupported,), 501),
+                          ((Unavailable,), 503),
                           ((SandboxError,), 500)):
         if isinstance(e, types):
             return E2bError(status, str(e))

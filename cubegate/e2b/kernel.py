@@ -231,7 +231,8 @@ class KernelSession:
                 if sent_bytes > MAX_CELL_OUTPUT:
                     self.interrupt()
                     emit({"type": "error", "name": "OutputLimitExceeded",
-                          "value": f"the cell wrote more than {MAX_CELL_OUTPUT >> 20} MiB of output; it was interrupted",
+                          "value": f"the cell wrote more than {MAX_CELL_OUTPUT >> 20} MiB of output; "
+                                   "it was interrupted",
                           "traceback": ""})
                     raise OutputLimit("cell output over its bound")
                 emit(item)

@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpkit
 from httpkit import PathParam
 
-from cubegate.runtime_api import TokenCheck, ensure_token_file
+from cubegate.admin_tokens import ensure_token_file
+from cubegate.runtime_api import RUNTIME_TOKEN_PREFIX, TokenCheck
 from cubegate.runtime_service import default_limits
 from sandbox_runtime.manager import SANDBOX_ID_RE
 
@@ -79,7 +80,7 @@ async def start_for(daemon, runtime) -> E2bService | None:
     if not e.enabled or runtime is None:
         return None
     token_file = s.runtime_dir / "api.token"
-    ensure_token_file(token_file)
+    ensure_token_file(token_file, RUNTIME_TOKEN_PREFIX)
     core = E2bCore(runtime.manager, Registry(s.runtime_dir / "e2b"),
                    templates=templates.catalogue({k: v.model_dump(exclude_none=True) for k, v in e.templates.items()}),
                    default_backend=s.runtime.default_backend, default_limits=default_limits(s.runtime),

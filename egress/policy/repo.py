@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..sqlite_db import open_db
+
 KINDS = ("policy", "grant", "network")
 MAX_HISTORY = 1000   # versions one read returns at most
 
@@ -54,11 +56,8 @@ _COLS = "seq, kind, name, version, doc, action, actor, ts, note"
 class PolicyRepo:
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
+        self._db = open_db(self.path)
         self._db.execute(_SCHEMA)
         ok = self._db.execute("PRAGMA quick_check").fetchone()[0]
         if ok != "ok":

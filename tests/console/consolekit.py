@@ -14,6 +14,7 @@ import httpx
 import yaml
 
 from tests.cubegate.daemon_util import free_ports
+from tests.gateway.harness import audit_records_in, wait_record_in
 
 REPO = Path(__file__).resolve().parents[2]
 POLICY = "name: t\ntenant: acme\ndefault: deny\nrules:\n  - name: a\n    action: allow\n    match: {hosts: [a.test]}\n"
@@ -84,22 +85,13 @@ class ConsoleDaemon:
         return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
 
     def audit_records(self) -> list[dict]:
-        out = []
-        for f in sorted((self.state / "audit").glob("*.jsonl")):
-            out += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-        return out
+        return audit_records_in(self.state / "audit")
 
     def audit_text(self) -> str:
         return "".join(f.read_text() for f in sorted((self.state / "audit").glob("*.jsonl")))
 
     def wait_record(self, pred, timeout: float = 5.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for rec in self.audit_records():
-                if pred(rec):
-                    return rec
-            time.sleep(0.05)
-        raise AssertionError("no such audit record; last: " + json.dumps(self.audit_records()[-5:], indent=1))
+        return wait_record_in(self.state / "audit", pred, timeout)
 
     def client(self) -> httpx.Client:
         return httpx.Client(base_url=self.base, verify=False, timeout=30, follow_redirects=False)

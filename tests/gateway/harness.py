@@ -16,6 +16,25 @@ CUBEGATE = [sys.executable, "-m", "cubegate.cli"]
 _ports = itertools.count(18080, 10)
 
 
+def audit_records_in(audit_dir: Path) -> list[dict]:
+    """Every record of a daemon's audit log (rotated segments first), as written."""
+    out = []
+    for f in sorted(audit_dir.glob("*.jsonl")):
+        out += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    return out
+
+
+def wait_record_in(audit_dir: Path, pred, timeout: float = 5.0) -> dict:
+    """The first record `pred` accepts, polled for up to `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for rec in audit_records_in(audit_dir):
+            if pred(rec):
+                return rec
+        time.sleep(0.05)
+    raise AssertionError("no matching audit record; last: " + json.dumps(audit_records_in(audit_dir)[-5:], indent=1))
+
+
 class Gateway:
     def __init__(self, lab, workdir: Path, policies: dict[str, str], *, sandboxes=None, settings_extra=None):
         self.lab = lab
@@ -120,21 +139,10 @@ class Gateway:
         return CurlResult(r)
 
     def audit_records(self) -> list[dict]:
-        out = []
-        for f in sorted(self.audit_dir.glob("*.jsonl")):
-            for line in f.read_text().splitlines():
-                if line.strip():
-                    out.append(json.loads(line))
-        return out
+        return audit_records_in(self.audit_dir)
 
     def wait_record(self, pred, timeout: float = 5.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for rec in self.audit_records():
-                if pred(rec):
-                    return rec
-            time.sleep(0.05)
-        raise AssertionError("no matching audit record; last: " + json.dumps(self.audit_records()[-5:], indent=1))
+        return wait_record_in(self.audit_dir, pred, timeout)
 
 
 class CurlResult:

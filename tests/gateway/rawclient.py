@@ -108,8 +108,25 @@ def h2_request(sock, headers: list[tuple[str, str]], body: bytes = b"", timeout:
     (pseudo-headers included, no validation: for :authority/host attacks).
 
     Returns {"status", "headers", "data", "informational", "wire", "reset", "goaway", "all_headers"}
-    (all_headers: every header block decoded, 1xx and trailers included);
-    status 0 if no final response arrived (reset, GOAWAY, close or timeout).
+    (headers: the final response's, without pseudo-headers, then its trailers; all_headers: every
+    header block decoded, 1xx and trailers included); status 0 if no final response arrived
+    (reset, GOAWAY, close or timeout).
+    """
+    out = h2_session(sock, [{"headers": headers, "body": body}], timeout)
+    st = next(iter(out["streams"].values()))
+    return {"status": st["status"], "headers": [h for h in st["headers"] if not h[0].startswith(":")] + st["trailers"],
+            "data": st["data"], "informational": st["informational"], "wire": out["wire"], "reset": st["reset"],
+            "goaway": out["goaway"], "all_headers": st["all_headers"]}
+
+
+def h2_session(sock, streams: list[dict], timeout: float = 5.0, pace: float = 0.0) -> dict:
+    """Open every stream on an already negotiated h2 socket (its "headers" sent exactly as given,
+    an optional "body", optional "trailers"; `pace` seconds apart) and collect the answers until
+    every stream ended, was reset or the connection went away (bounded by `timeout`).
+
+    Returns {"streams": {sid: {"status", "headers", "trailers", "data", "reset", "informational",
+    "all_headers"}}, "goaway", "wire"}: headers of the final response (pseudo-headers included),
+    informational 1xx statuses, all_headers every header block decoded (1xx and trailers too).
     """
     import h2.config
     import h2.connection
@@ -120,21 +137,31 @@ def h2_request(sock, headers: list[tuple[str, str]], body: bytes = b"", timeout:
         client_side=True, header_encoding="utf-8", validate_outbound_headers=False,
         normalize_outbound_headers=False, validate_inbound_headers=False))
     conn.initiate_connection()
-    sid = conn.get_next_available_stream_id()
-    conn.send_headers(sid, headers, end_stream=not body)
-    if body:
-        conn.send_data(sid, body, end_stream=True)
     sock.sendall(conn.data_to_send())
-    out: dict = {"status": 0, "headers": [], "data": b"", "informational": [], "wire": b"",
-                 "reset": None, "goaway": None, "all_headers": []}
-    wire, data = bytearray(), bytearray()
-    sock.settimeout(timeout)
+    out: dict = {"streams": {}, "goaway": None, "wire": b""}
+    for spec in streams:
+        sid = conn.get_next_available_stream_id()
+        body, trailers = spec.get("body", b""), spec.get("trailers")
+        conn.send_headers(sid, spec["headers"], end_stream=not body and not trailers)
+        if body:
+            conn.send_data(sid, body, end_stream=not trailers)
+        if trailers:
+            conn.send_headers(sid, trailers, end_stream=True)
+        out["streams"][sid] = {"status": 0, "headers": [], "trailers": [], "data": b"", "reset": None, "done": False,
+                               "informational": [], "all_headers": []}
+        if pace:
+            sock.sendall(conn.data_to_send())
+            time.sleep(pace)
+    sock.sendall(conn.data_to_send())
+    wire = bytearray()
+    sock.settimeout(0.5)
     deadline = time.monotonic() + timeout
-    done = False
-    while not done and time.monotonic() < deadline:
+    while time.monotonic() < deadline and not all(s["done"] for s in out["streams"].values()):
         try:
             chunk = sock.recv(65536)
-        except (socket.timeout, OSError):
+        except TimeoutError:
+            continue
+        except OSError:
             break
         if not chunk:
             break
@@ -144,36 +171,38 @@ def h2_request(sock, headers: list[tuple[str, str]], body: bytes = b"", timeout:
         except h2.exceptions.ProtocolError:
             break
         for ev in events:
-            if isinstance(ev, (h2.events.ResponseReceived, h2.events.InformationalResponseReceived)) \
-                    and ev.stream_id == sid:
-                hdrs = [(k, v) for k, v in ev.headers]
-                out["all_headers"] += hdrs
+            st = out["streams"].get(getattr(ev, "stream_id", None))
+            if isinstance(ev, h2.events.ConnectionTerminated):
+                out["goaway"] = ev.error_code
+                for s in out["streams"].values():
+                    s["done"] = True
+            elif st is None:
+                continue
+            elif isinstance(ev, (h2.events.ResponseReceived, h2.events.InformationalResponseReceived)):
+                hdrs = list(ev.headers)
+                st["all_headers"] += hdrs
                 status = int(dict(hdrs).get(":status", "0"))
                 if isinstance(ev, h2.events.InformationalResponseReceived):
-                    out["informational"].append(status)
+                    st["informational"].append(status)
                 else:
-                    out["status"], out["headers"] = status, [h for h in hdrs if not h[0].startswith(":")]
-            elif isinstance(ev, h2.events.TrailersReceived) and ev.stream_id == sid:
-                out["headers"] += list(ev.headers)
-                out["all_headers"] += list(ev.headers)
-            elif isinstance(ev, h2.events.DataReceived) and ev.stream_id == sid:
-                data += ev.data
-                conn.acknowledge_received_data(ev.flow_controlled_length, sid)
-            elif isinstance(ev, h2.events.StreamEnded) and ev.stream_id == sid:
-                done = True
-            elif isinstance(ev, h2.events.StreamReset) and ev.stream_id == sid:
-                out["reset"] = ev.error_code
-                done = True
-            elif isinstance(ev, h2.events.ConnectionTerminated):
-                out["goaway"] = ev.error_code
-                done = True
+                    st["headers"], st["status"] = hdrs, status
+            elif isinstance(ev, h2.events.TrailersReceived):
+                st["trailers"] = list(ev.headers)
+                st["all_headers"] += list(ev.headers)
+            elif isinstance(ev, h2.events.DataReceived):
+                st["data"] += ev.data
+                conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+            elif isinstance(ev, h2.events.StreamEnded):
+                st["done"] = True
+            elif isinstance(ev, h2.events.StreamReset):
+                st["reset"], st["done"] = ev.error_code, True
         pending = conn.data_to_send()
         if pending:
             try:
                 sock.sendall(pending)
             except OSError:
                 break
-    out["wire"], out["data"] = bytes(wire), bytes(data)
+    out["wire"] = bytes(wire)
     return out
 
 

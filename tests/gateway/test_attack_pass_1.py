@@ -145,78 +145,7 @@ def _exchange_raw(sb: AttackSandbox, scheme: str, host: str, raw: bytes, *, afte
 
 # ----------------------------------------------------------------- HTTP/2, several streams
 def h2_session(sock, streams: list[dict], timeout: float = TIMEOUT, pace: float = 0.0) -> dict:
-    """Open every stream (headers, optional body, optional trailers; `pace` seconds apart), collect
-    the answers.
-
-    Returns {"streams": {sid: {"status", "headers", "trailers", "data", "reset"}}, "goaway", "wire"}.
-    """
-    import h2.config
-    import h2.connection
-    import h2.events
-    import h2.exceptions
-
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(
-        client_side=True, header_encoding="utf-8", validate_outbound_headers=False,
-        normalize_outbound_headers=False, validate_inbound_headers=False))
-    conn.initiate_connection()
-    sock.sendall(conn.data_to_send())
-    out: dict = {"streams": {}, "goaway": None, "wire": b""}
-    for spec in streams:
-        sid = conn.get_next_available_stream_id()
-        body, trailers = spec.get("body", b""), spec.get("trailers")
-        conn.send_headers(sid, spec["headers"], end_stream=not body and not trailers)
-        if body:
-            conn.send_data(sid, body, end_stream=not trailers)
-        if trailers:
-            conn.send_headers(sid, trailers, end_stream=True)
-        out["streams"][sid] = {"status": 0, "headers": [], "trailers": [], "data": b"", "reset": None, "done": False}
-        if pace:
-            sock.sendall(conn.data_to_send())
-            time.sleep(pace)
-    sock.sendall(conn.data_to_send())
-    wire = bytearray()
-    sock.settimeout(0.5)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not all(s["done"] for s in out["streams"].values()):
-        try:
-            chunk = sock.recv(65536)
-        except (TimeoutError, OSError) as e:
-            if isinstance(e, TimeoutError) or isinstance(e, socket.timeout):
-                continue
-            break
-        if not chunk:
-            break
-        wire += chunk
-        try:
-            events = conn.receive_data(chunk)
-        except h2.exceptions.ProtocolError:
-            break
-        for ev in events:
-            st = out["streams"].get(getattr(ev, "stream_id", None))
-            if isinstance(ev, h2.events.ResponseReceived) and st is not None:
-                st["headers"] = list(ev.headers)
-                st["status"] = int(dict(ev.headers).get(":status", "0"))
-            elif isinstance(ev, h2.events.TrailersReceived) and st is not None:
-                st["trailers"] = list(ev.headers)
-            elif isinstance(ev, h2.events.DataReceived) and st is not None:
-                st["data"] += ev.data
-                conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
-            elif isinstance(ev, h2.events.StreamEnded) and st is not None:
-                st["done"] = True
-            elif isinstance(ev, h2.events.StreamReset) and st is not None:
-                st["reset"], st["done"] = ev.error_code, True
-            elif isinstance(ev, h2.events.ConnectionTerminated):
-                out["goaway"] = ev.error_code
-                for s in out["streams"].values():
-                    s["done"] = True
-        pending = conn.data_to_send()
-        if pending:
-            try:
-                sock.sendall(pending)
-            except OSError:
-                break
-    out["wire"] = bytes(wire)
-    return out
+    return rawclient.h2_session(sock, streams, timeout, pace)
 
 
 def _h2_seen(stream: dict) -> bytes:

@@ -4,17 +4,20 @@ them playing the attacker. Each test asserts the secure behaviour.
 """
 from __future__ import annotations
 
-import base64
 import ipaddress
 import json
 import time
-from pathlib import Path
 
-import httpx
 import pytest
 
-from testbed.netns import call_in_netns
-from tests.gateway.switchlab import HUB_IP, switch_lab
+from tests.gateway.switchlab import HUB_IP
+from tests.sandbox_runtime.daemonlab import policy_call as admin
+from tests.sandbox_runtime.daemonlab import runtime_call as runtime
+from tests.sandbox_runtime.daemonlab import sandbox_create as create
+from tests.sandbox_runtime.daemonlab import sandbox_https as https
+from tests.sandbox_runtime.daemonlab import sandbox_internal as internal
+from tests.sandbox_runtime.daemonlab import sandbox_sh as sh
+from tests.sandbox_runtime.daemonlab import runtime_daemon
 
 TPORT, API_PORT, POLICY_PORT = 18374, 18373, 18375
 L4_NET, L4_PORT = "198.18.0.20/32", 5432
@@ -62,63 +65,13 @@ def env(lab, tmp_path_factory):
                             "max_sandboxes": 6, "host_reserve_mb": 256},
                 "policy_api": {"port": POLICY_PORT},
                 "access": {"grant_sweep_seconds": 0.5, "requests_per_minute": 30}}
-    with switch_lab(lab, tmp, POLICY, sandbox=None, tport=TPORT, prefix="a2", settings_extra=settings) \
-            as (gw, sw, _):
-        ca = Path(lab.ca.bundle_path).read_text() + gw.ca_cert.read_text()
-        gw.ca_b64 = base64.b64encode(ca.encode()).decode()
+    with runtime_daemon(lab, tmp, POLICY, tport=TPORT, prefix="a2", settings=settings) as (gw, sw):
         gw.sw = sw
         yield gw
 
 
-def _call(lab, gw, port: int, token_file: str, method: str, path: str, **kw):
-    token = (gw.state_dir / token_file).read_text().strip()
-
-    def run():
-        r = httpx.request(method, f"http://127.0.0.1:{port}/v1{path}", headers={"Authorization": f"Bearer {token}"},
-                          timeout=60, trust_env=False, **kw)
-        return r.status_code, (r.json() if r.content and r.headers.get("content-type", "").startswith(
-            "application/json") else r.text)
-    return call_in_netns(lab.gw_ns, run)
-
-
-def runtime(lab, gw, method, path, **kw):
-    return _call(lab, gw, API_PORT, "runtime/api.token", method, path, **kw)
-
-
-def admin(lab, gw, method, path, **kw):
-    return _call(lab, gw, POLICY_PORT, "admin.token", method, path, **kw)
-
-
-def create(lab, gw, sid: str, *, tenant: str = "acme", network: dict | None = None) -> None:
-    body = {"id": sid, "tenant": tenant, "files": {"ca.pem": gw.ca_b64}}
-    if network is not None:
-        body["network"] = network
-    status, doc = runtime(lab, gw, "POST", "/sandboxes", json=body)
-    assert status == 201, (doc, gw.log()[-3000:])
-
-
 def destroy(lab, gw, sid: str) -> None:
     runtime(lab, gw, "DELETE", f"/sandboxes/{sid}")
-
-
-def sh(lab, gw, sid: str, script: str, timeout: int = 30) -> tuple[int, str]:
-    status, doc = runtime(lab, gw, "POST", f"/sandboxes/{sid}/exec",
-                          json={"argv": ["sh", "-c", script], "timeout": timeout})
-    assert status == 200, doc
-    return doc["exit_code"], doc["stdout"]
-
-
-def https(lab, gw, sid: str, host: str) -> str:
-    return sh(lab, gw, sid, f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 8 --cacert /workspace/ca.pem "
-                            f"https://{host}/")[1]
-
-
-def internal(lab, gw, sid: str, path: str, data: dict | None = None) -> tuple[int, dict]:
-    post = f"-X POST -H 'Content-Type: application/json' --data '{json.dumps(data)}'" if data is not None else ""
-    rc, out = sh(lab, gw, sid, f"curl -s --max-time 8 -w '\\n%{{http_code}}' {post} http://cubegate.internal{path}")
-    body, _, code = out.rpartition("\n")
-    assert rc == 0 and code.isdigit(), (rc, out, gw.log()[-2000:])
-    return int(code), json.loads(body)
 
 
 @pytest.mark.netns

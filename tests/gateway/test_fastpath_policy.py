@@ -17,19 +17,10 @@ import pytest
 
 from tests.gateway.harness import Gateway
 from tests.gateway.test_fastpath import FAST_PATH_OFF, Tunnel, _auth, _fast_outcomes
-from tests.gateway.test_policy_api import _api, _policy
+from tests.gateway.test_policy_api import MAIN, _api, _policy
 
 pytestmark = [pytest.mark.netns,
               pytest.mark.skipif(FAST_PATH_OFF, reason="proxy.fast_path switched off from the environment")]
-
-MAIN = """\
-name: main
-default: deny
-rules:
-  - name: lab
-    action: allow
-    match: {hosts: [api.allowed.test, passthrough.allowed.test], ports: [443]}
-"""
 
 
 @pytest.fixture

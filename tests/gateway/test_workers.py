@@ -15,19 +15,11 @@ from tests.faults.helpers import eventually
 from tests.gateway import rawclient
 from tests.gateway.harness import Gateway
 from tests.gateway.test_fastpath import FAST_PATH_OFF, Tunnel, _auth
-from tests.gateway.test_policy_api import _api, _policy
+from tests.gateway.test_policy_api import MAIN, _api, _policy
 
 pytestmark = [pytest.mark.netns,
               pytest.mark.skipif(FAST_PATH_OFF, reason="more than one worker needs proxy.fast_path")]
 
-MAIN = """\
-name: main
-default: deny
-rules:
-  - name: lab
-    action: allow
-    match: {hosts: [api.allowed.test, passthrough.allowed.test], ports: [443]}
-"""
 HELD = 16      # tunnels held at once: all on one worker of two has odds 2 * 2**-16
 
 

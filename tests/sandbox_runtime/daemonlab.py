@@ -5,11 +5,15 @@ One way to start it and to talk to it (runtime API, `cubegate sandbox ...`), sha
 runtime, snapshot, access-request, e2b and console tests."""
 from __future__ import annotations
 
+import base64
+import json
 import subprocess
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
+import yaml
 
 from testbed.netns import call_in_netns
 from tests.gateway.switchlab import HUB_IP, switch_lab
@@ -70,8 +74,68 @@ def runtime_api(lab, gw, port: int, method: str, path: str, token: str | None = 
         token = runtime_token(gw)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     kw.setdefault("timeout", 60)
+    kw.setdefault("trust_env", False)   # loopback: never through a proxy of the environment
     return call_in_netns(lab.gw_ns, lambda: httpx.request(method, f"http://127.0.0.1:{port}/v1{path}",
                                                           headers=headers, **kw))
+
+
+def _settings(gw) -> dict:
+    return yaml.safe_load(gw.settings_path.read_text())
+
+
+def _status_doc(r: httpx.Response) -> tuple[int, Any]:
+    """(status, the JSON document, else the text, else None for an empty body)."""
+    if not r.content:
+        return r.status_code, None
+    if r.headers.get("content-type", "").startswith("application/json"):
+        return r.status_code, r.json()
+    return r.status_code, r.text
+
+
+def runtime_call(lab, gw, method: str, path: str, **kw) -> tuple[int, Any]:
+    """The runtime API, with the daemon's own token: (status, document)."""
+    return _status_doc(runtime_api(lab, gw, _settings(gw)["runtime"]["api_port"], method, path, **kw))
+
+
+def policy_call(lab, gw, method: str, path: str, **kw) -> tuple[int, Any]:
+    """The policy API, with the daemon's local admin token: (status, document)."""
+    token = (gw.state_dir / "admin.token").read_text().strip()
+    return _status_doc(runtime_api(lab, gw, _settings(gw)["policy_api"]["port"], method, path, token=token, **kw))
+
+
+# ------------------------------------------------------------- a sandbox, seen from inside
+def sandbox_create(lab, gw, sid: str, *, tenant: str = "acme", network: dict | None = None) -> dict:
+    """A sandbox of `tenant` (201 or the test fails) with /workspace/ca.pem = gw.sandbox_ca."""
+    body = {"id": sid, "tenant": tenant, "files": {"ca.pem": base64.b64encode(gw.sandbox_ca.read_bytes()).decode()}}
+    if network is not None:
+        body["network"] = network
+    status, doc = runtime_call(lab, gw, "POST", "/sandboxes", json=body)
+    assert status == 201, (doc, gw.log()[-3000:])
+    return doc
+
+
+def sandbox_sh(lab, gw, sid: str, script: str, timeout: int = 30) -> tuple[int, str]:
+    """`sh -c script` in the sandbox: (exit code, stdout)."""
+    status, doc = runtime_call(lab, gw, "POST", f"/sandboxes/{sid}/exec",
+                               json={"argv": ["sh", "-c", script], "timeout": timeout})
+    assert status == 200, doc
+    return doc["exit_code"], doc["stdout"]
+
+
+def sandbox_https(lab, gw, sid: str, host: str) -> str:
+    """The status code curl in the sandbox gets for https://host/ (trusting /workspace/ca.pem)."""
+    return sandbox_sh(lab, gw, sid, f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 8 "
+                                    f"--cacert /workspace/ca.pem https://{host}/")[1]
+
+
+def sandbox_internal(lab, gw, sid: str, path: str, data: dict | None = None) -> tuple[int, dict]:
+    """What the sandbox gets from http://cubegate.internal<path> (POST `data` as JSON when given)."""
+    post = f"-X POST -H 'Content-Type: application/json' --data '{json.dumps(data)}'" if data is not None else ""
+    rc, out = sandbox_sh(lab, gw, sid,
+                         f"curl -s --max-time 8 -w '\\n%{{http_code}}' {post} http://cubegate.internal{path}")
+    body, _, code = out.rpartition("\n")
+    assert rc == 0 and code.isdigit(), (rc, out, gw.log()[-2000:])
+    return int(code), json.loads(body)
 
 
 def sandbox_cli(lab, gw, *args: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:

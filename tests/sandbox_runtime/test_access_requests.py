@@ -7,15 +7,18 @@ Another sandbox sees none of it. Per-sandbox network options narrow and never wi
 """
 from __future__ import annotations
 
-import base64
 import json
 import sys
 import time
 
-import httpx
 import pytest
 
-from testbed.netns import call_in_netns
+from tests.sandbox_runtime.daemonlab import policy_call as admin
+from tests.sandbox_runtime.daemonlab import runtime_call as runtime
+from tests.sandbox_runtime.daemonlab import sandbox_create as create
+from tests.sandbox_runtime.daemonlab import sandbox_https as https
+from tests.sandbox_runtime.daemonlab import sandbox_internal as internal
+from tests.sandbox_runtime.daemonlab import sandbox_sh as sh
 from tests.sandbox_runtime.daemonlab import runtime_daemon, runtime_settings
 
 pytestmark = pytest.mark.netns
@@ -56,57 +59,10 @@ def env(lab, tmp_path_factory):
                            "requests_per_minute": 3}}
     try:
         with runtime_daemon(lab, tmp, POLICY, tport=TPORT, prefix="ca", settings=settings) as (gw, _):
-            gw.hook_file, gw.ca_b64 = hook_file, base64.b64encode(gw.sandbox_ca.read_bytes()).decode()
+            gw.hook_file = hook_file
             yield gw
     finally:
         receiver.kill()
-
-
-def call(lab, gw, port: int, token_file: str, method: str, path: str, **kw):
-    token = (gw.state_dir / token_file).read_text().strip()
-
-    def run():
-        r = httpx.request(method, f"http://127.0.0.1:{port}/v1{path}", headers={"Authorization": f"Bearer {token}"},
-                          timeout=60, trust_env=False, **kw)
-        return r.status_code, (r.json() if r.content else None)
-    return call_in_netns(lab.gw_ns, run)
-
-
-def runtime(lab, gw, method, path, **kw):
-    return call(lab, gw, API_PORT, "runtime/api.token", method, path, **kw)
-
-
-def admin(lab, gw, method, path, **kw):
-    return call(lab, gw, POLICY_PORT, "admin.token", method, path, **kw)
-
-
-def create(lab, gw, sid: str, network: dict | None = None) -> dict:
-    body = {"id": sid, "tenant": "acme", "files": {"ca.pem": gw.ca_b64}}
-    if network is not None:
-        body["network"] = network
-    status, doc = runtime(lab, gw, "POST", "/sandboxes", json=body)
-    assert status == 201, (doc, gw.log()[-3000:])
-    return doc
-
-
-def sh(lab, gw, sid: str, script: str) -> tuple[int, str]:
-    status, doc = runtime(lab, gw, "POST", f"/sandboxes/{sid}/exec", json={"argv": ["sh", "-c", script],
-                                                                             "timeout": 30})
-    assert status == 200, doc
-    return doc["exit_code"], doc["stdout"]
-
-
-def https(lab, gw, sid: str, host: str) -> str:
-    return sh(lab, gw, sid, f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 8 --cacert /workspace/ca.pem "
-                            f"https://{host}/")[1]
-
-
-def internal(lab, gw, sid: str, path: str, data: dict | None = None) -> tuple[int, dict]:
-    post = f"-X POST -H 'Content-Type: application/json' --data '{json.dumps(data)}'" if data is not None else ""
-    rc, out = sh(lab, gw, sid, f"curl -s --max-time 8 -w '\\n%{{http_code}}' {post} http://cubegate.internal{path}")
-    body, _, code = out.rpartition("\n")
-    assert rc == 0 and code.isdigit(), (rc, out, gw.log()[-2000:])
-    return int(code), json.loads(body)
 
 
 def test_agent_reads_its_denial_files_a_request_admin_approves_and_expiry_removes_it(env, lab):
