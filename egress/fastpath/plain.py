@@ -57,7 +57,6 @@ _PARSE_REASONS = (
     ("Transfer-Encoding", 400, "bad_transfer_encoding"),
     ("Content-Length", 400, "bad_content_length"),
     ("header value", 400, "bad_header_value"),
-    ("chunk", 400, "bad_chunk"),
 )
 
 
