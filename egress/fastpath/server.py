@@ -7,8 +7,11 @@ Explicit mode:   CONNECT head (bounded: max_header_bytes, header_timeout) → id
 Transparent:     source → sandbox, steered port, ClientHello → SNI = destination → the same.
 Handed over to mitmproxy (the bytes already read replayed; the gate decides and audits
 everything again, this path writes nothing for such a connection): flows that need
-interception (egress.destination.needs_interception), ports other than 443, plain
-HTTP, heads this path does not parse, and — transparent only — non-TLS bytes on 443.
+interception (egress.destination.needs_interception), ports other than 443, heads this
+path does not parse, and — transparent only — non-TLS bytes on 443. Plain HTTP (absolute-form
+http:// on the explicit port, transparent port 80) goes to egress/fastpath/plain.py, which
+decides each request and hands over only what it does not implement (proxy.fast_plain_http;
+off: plain HTTP is handed over too).
 
 Audit: the records of a connection this path finishes are the gate's records (egress.records):
 a decision before the outcome (refused if it cannot be written), connection_closed at the end.
