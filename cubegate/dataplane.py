@@ -94,7 +94,7 @@ class DataPlane:
             from egress.fastpath.server import FastPath
             self.fast_path = FastPath(gate=self.gate, master=self.master, listen_host=s.proxy.listen_host,
                                       explicit_port=s.proxy.explicit_port, transparent_port=s.proxy.transparent_port,
-                                      idle_timeout=s.proxy.idle_timeout)
+                                      idle_timeout=s.proxy.idle_timeout, plain_http=s.proxy.fast_plain_http)
         self._backlog = None
 
     async def start(self, supervisor) -> asyncio.Task:

@@ -54,17 +54,9 @@ class VaultCredentials:
         tenant = _tenant(decision.tenant if decision else None)
         sandbox = conn.identity.sandbox_id
         req = flow.request
-        try:
-            injection = self.vault.resolve(tenant, scheme=scheme, host=conn.host, port=conn.port,
-                                           method=req.method, path=req.path)
-        except vaultlib.VaultSealed:
-            return Refusal(503, "vault_sealed", "the credential vault is sealed; bound requests are refused")
-        except vaultlib.AmbiguousBinding as e:
-            return Refusal(503, "binding_ambiguous", str(e))
-        except vaultlib.PlaintextNotAllowed as e:
-            return Refusal(403, "plaintext_injection_refused", str(e))
-        except vaultlib.VaultError as e:
-            return Refusal(503, "vault_error", f"{type(e).__name__}: {e}")
+        injection = self._resolve(tenant, scheme, conn, req.method, req.path)
+        if isinstance(injection, Refusal):
+            return injection
         refusal = self._leak_check(flow, conn, tenant, sandbox, _header_blob(req), injection, "headers")
         if refusal is not None:
             return refusal
@@ -85,16 +77,44 @@ class VaultCredentials:
         return {"secret": injection.secret_id, "version": injection.version,
                 "fingerprint": injection.fingerprint, "binding": injection.binding_id}
 
+    def _resolve(self, tenant: str, scheme: str, conn, method: str, path: str):
+        """The injection for one request, None, or the Refusal a vault failure means (fail closed)."""
+        try:
+            return self.vault.resolve(tenant, scheme=scheme, host=conn.host, port=conn.port,
+                                      method=method, path=path)
+        except vaultlib.VaultSealed:
+            return Refusal(503, "vault_sealed", "the credential vault is sealed; bound requests are refused")
+        except vaultlib.AmbiguousBinding as e:
+            return Refusal(503, "binding_ambiguous", str(e))
+        except vaultlib.PlaintextNotAllowed as e:
+            return Refusal(403, "plaintext_injection_refused", str(e))
+        except vaultlib.VaultError as e:
+            return Refusal(503, "vault_error", f"{type(e).__name__}: {e}")
+
+    # -- the fast path's plain-HTTP requests (egress/fastpath/plain.py): no flow, never injected --
+    def check_unbound_request(self, conn, *, url: str, fields) -> Refusal | None:
+        """on_request's check for a request the fast path forwards itself, to a host with no binding
+        (needs_interception said so): a leak in the URL or headers, or a vault that cannot tell, refuses it."""
+        tenant = _tenant(conn.decision.tenant if conn.decision else None)
+        return self._leak_check(None, conn, tenant, conn.identity.sandbox_id, header_blob(url, fields), None,
+                                "headers")
+
+    def unbound_needles(self, conn) -> "vaultlib.Needles | Refusal":
+        """request_needles for a request nothing was injected into."""
+        return self._needles(conn, None)
+
     # -- request body stage ----------------------------------------------------
     def request_needles(self, flow: http.HTTPFlow, conn) -> "vaultlib.Needles | Refusal":
         """What the request body must not carry: the sandbox's placeholders and its tenant's
         secret values, except the one injected into this request."""
+        injection = flow.metadata.get(_INJECTION_KEY)
+        return self._needles(conn, injection.secret_id if injection else None)
+
+    def _needles(self, conn, exclude: str | None) -> "vaultlib.Needles | Refusal":
         decision = conn.decision
         tenant = _tenant(decision.tenant if decision else None)
-        injection = flow.metadata.get(_INJECTION_KEY)
         try:
-            return self.vault.leak_needles(tenant, conn.identity.sandbox_id,
-                                           exclude=injection.secret_id if injection else None)
+            return self.vault.leak_needles(tenant, conn.identity.sandbox_id, exclude=exclude)
         except vaultlib.VaultSealed:
             return Refusal(503, "vault_sealed", "the credential vault is sealed; request bodies cannot be checked")
         except vaultlib.VaultError as e:
@@ -180,11 +200,16 @@ def _visible(injection, data: bytes) -> bool:
 
 
 def _header_blob(req: http.Request) -> bytes:
-    parts = [req.url.encode("utf-8", "replace")]
-    for k, v in req.headers.fields:
+    return header_blob(req.url, req.headers.fields)
+
+
+def header_blob(url: str, fields) -> bytes:
+    """What the header leak check scans: the URL, every header, and all values concatenated."""
+    parts = [url.encode("utf-8", "replace")]
+    for k, v in fields:
         parts.append(k + b": " + v)
     # The value split across two headers is only whole in their concatenation.
-    parts.append(b"".join(v for _, v in req.headers.fields))
+    parts.append(b"".join(v for _, v in fields))
     return b"\n".join(parts)
 
 

@@ -63,10 +63,13 @@ class DecisionCache:
 
 async def decide_destination(st: ConnState, raw_host: str, port: int, *, policies, guard: netguard.AddressGuard,
                              resolver: netguard.GuardedResolver, scheme, method, path,
-                             cache: DecisionCache | None = None) -> Verdict:
+                             cache: DecisionCache | None = None,
+                             connected_to: tuple[str, int] | None = None) -> Verdict:
     """Sets st.host/st.port/st.ip_literal; the caller reads the verdict. `policies.current` is the
     policy in force (egress.policy.effective: admin policies + grants + the sandbox's network options);
-    `cache` (the fast path's) answers repeated connection-stage decisions of that same object."""
+    `cache` (the fast path's) answers repeated connection-stage decisions of that same object.
+    `connected_to`: the (host, port) of an upstream connection the caller already holds (its address
+    guarded when it was made): an allowed request to it is not resolved again (no addresses returned)."""
     literal = netguard.parse_ip_literal(raw_host)
     if literal is not None:
         reason = guard.check(literal, port)
@@ -92,6 +95,8 @@ async def decide_destination(st: ConnState, raw_host: str, port: int, *, policie
     if literal is not None:
         family = socket.AF_INET if literal.version == 4 else socket.AF_INET6
         return Verdict(decision, None, ((family, host),))
+    if connected_to == (host, port):
+        return Verdict(decision, None)
     # Resolve now so a name pointing at a private address gets a clear 403 instead of a
     # dead tunnel. Whoever connects uses guarded addresses only (these, or the gate's
     # guarded getaddrinfo), so a rebinding answer cannot slip through in between.

@@ -7,8 +7,11 @@ Explicit mode:   CONNECT head (bounded: max_header_bytes, header_timeout) → id
 Transparent:     source → sandbox, steered port, ClientHello → SNI = destination → the same.
 Handed over to mitmproxy (the bytes already read replayed; the gate decides and audits
 everything again, this path writes nothing for such a connection): flows that need
-interception (egress.destination.needs_interception), ports other than 443, plain
-HTTP, heads this path does not parse, and — transparent only — non-TLS bytes on 443.
+interception (egress.destination.needs_interception), ports other than 443, heads this
+path does not parse, and — transparent only — non-TLS bytes on 443. Plain HTTP (absolute-form
+http:// on the explicit port, transparent port 80) goes to egress/fastpath/plain.py, which
+decides each request and hands over only what it does not implement (proxy.fast_plain_http;
+off: plain HTTP is handed over too).
 
 Audit: the records of a connection this path finishes are the gate's records (egress.records):
 a decision before the outcome (refused if it cannot be written), connection_closed at the end.
@@ -41,7 +44,7 @@ FORCED_CLOSE_GRACE = 2.0
 
 class FastPath:
     def __init__(self, *, gate, master, listen_host: str, explicit_port: int | None,
-                 transparent_port: int | None, idle_timeout: float | None) -> None:
+                 transparent_port: int | None, idle_timeout: float | None, plain_http: bool = True) -> None:
         self.gate = gate            # the shared pieces: policies, identities, guard, resolver, audit, metrics, claims
         self.master = master        # for the hand-over
         self.listen_host = listen_host
@@ -59,6 +62,10 @@ class FastPath:
         self._latency = LabelCache(m.decision_latency)
         self._bytes = LabelCache(m.bytes)
         self._duration = LabelCache(m.connection_duration)
+        self.plain = None                          # plain HTTP decided and relayed here (proxy.fast_plain_http)
+        if plain_http:
+            from egress.fastpath.plain import PlainHttp
+            self.plain = PlainHttp(self)
 
     # ------------------------------------------------------------------ listen
     async def start(self, sockets: dict[bool, list] | None = None) -> None:
@@ -222,7 +229,10 @@ class FastPath:
         end = heads.head_end(c.buf)
         connect = heads.parse_connect(bytes(c.buf[:end]), gate.max_header_count) if end >= 0 else None
         if connect is None:
-            self._hand_over(c)           # plain HTTP, or a head we do not parse: the gate decides
+            if end >= 0 and self.plain is not None and self.plain.takes_explicit(bytes(c.buf[:end])):
+                await self.plain.serve(c)   # absolute-form http:// requests: egress/fastpath/plain.py
+                return
+            self._hand_over(c)           # a head we do not parse (or plain HTTP with fast_plain_http off)
             return
         t0 = time.perf_counter()
         ident = gate.identities.authenticate_header(connect.proxy_authorization)
@@ -334,7 +344,10 @@ class FastPath:
             self._refuse(c, "not_steered", stage="connect")
             return
         if st.port in PLAIN_HTTP_PORTS:
-            self._hand_over(c)           # plain HTTP: the gate decides each request
+            if self.plain is not None:
+                await self.plain.serve(c)   # decided per request: egress/fastpath/plain.py
+            else:
+                self._hand_over(c)       # plain HTTP: the gate decides each request
             return
         if not gate.claims.claim(st, ident):
             self._refuse(c, "sandbox_connection_limit", stage="connect")

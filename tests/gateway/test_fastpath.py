@@ -273,11 +273,16 @@ def test_flows_with_path_rules_are_handed_to_mitmproxy_and_decided_once(fgw, lab
 
 
 @fast_path_only
-def test_plain_http_is_handed_to_mitmproxy(fgw, lab):
+@pytest.mark.skipif(os.environ.get("CUBEGATE_PROXY__FAST_PLAIN_HTTP", "").lower() in ("false", "0", "no"),
+                    reason="proxy.fast_plain_http switched off from the environment")
+def test_plain_http_is_decided_by_the_fast_path(fgw, lab):
+    # proxy.fast_plain_http (on by default): egress/fastpath/plain.py; tests/gateway/test_fast_plain.py has the rest
     before = _fast_outcomes(fgw)
     r = fgw.curl("http://api.allowed.test/plain")
     assert r.status == 200 and r.json()["path"] == "/plain", r
-    assert _fast_outcomes(fgw).get("handed_over", 0) == before.get("handed_over", 0) + 1
+    after = _fast_outcomes(fgw)
+    assert after.get("plain_http", 0) == before.get("plain_http", 0) + 1
+    assert after.get("handed_over", 0) == before.get("handed_over", 0)
 
 
 # ---------------------------------------------------------------------- drain

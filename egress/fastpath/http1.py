@@ -1,0 +1,302 @@
+"""HTTP/1.1 messages read with llhttp (httptools), strict: the fast plain-HTTP path's parser.
+
+Pure parsing, no I/O. llhttp is used as shipped (no lenient flags): it refuses CL+TE,
+duplicate Content-Length, obs-fold, bare CR/LF, NUL, invalid chunk sizes. What it still
+accepts and a proxy must not (several Transfer-Encodings, trailers) is refused by the
+caller (egress.http_checks.check_framing) or turned into an event here.
+
+Requests become a queue of events the connection works through in order:
+  ("head", RequestHead) ("body", bytes) ("end", None) ("trailers", None) ("error", why)
+  ("upgrade", None)
+A response is read by ResponseReader, which calls its sink as it goes.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import httptools
+
+
+@dataclass
+class RequestHead:
+    method: str
+    target: bytes
+    version: str
+    headers: list[tuple[bytes, bytes]]
+    keep_alive: bool
+    chunked: bool
+    content_length: int | None
+    replay: bytearray | None = None    # raw bytes from this request's first on (None: not known whole)
+
+    def get_all(self, name: bytes) -> list[bytes]:
+        return [v for k, v in self.headers if k.lower() == name]
+
+    @property
+    def has_body(self) -> bool:
+        return self.chunked or bool(self.content_length)
+
+
+def _framing(headers: list[tuple[bytes, bytes]]) -> tuple[bool, int | None]:
+    chunked, length = False, None
+    for k, v in headers:
+        n = k.lower()
+        if n == b"transfer-encoding":
+            chunked = True
+        elif n == b"content-length" and v.strip().isdigit():
+            length = int(v.strip())
+    return chunked, length
+
+
+class RequestReader:
+    """Feeds a client's bytes to llhttp; the parsed pieces land in `events` (bounded by the
+    caller, who stops reading while they pile up). Each head's `replay` collects the raw bytes
+    from its start (and everything read after) until the caller is done with it, so the
+    request can still be handed over whole; it is None when the request began in the middle
+    of a read, after another one (its first byte's position is unknown to us), or grew too long."""
+
+    def __init__(self, max_head_bytes: int) -> None:
+        self.events: deque = deque()
+        self.pending_bytes = 0
+        self.max_head_bytes = max_head_bytes
+        self._parser = httptools.HttpRequestParser(self)
+        self._url = bytearray()
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._in_head = False
+        self._in_message = False
+        self._head_bytes = 0
+        self._failed = False
+        self._open: list[RequestHead] = []       # heads whose replay still grows
+        self._cur_replay: bytearray | None = None
+        self._data = b""
+        self._feed_start_idle = True
+        self._began_in_feed = False
+        self._replay_limit = max_head_bytes + (1 << 17)
+        self._why: str | None = None
+
+    # -------------------------------------------------------------- feeding
+    def feed(self, data: bytes) -> None:
+        if self._failed:
+            return
+        for h in self._open:
+            if h.replay is not None:
+                h.replay += data
+                if len(h.replay) > self._replay_limit:
+                    h.replay = None           # only about a head's worth is ever replayed
+        if self._in_head:
+            self._head_bytes += len(data)
+            if self._cur_replay is not None:
+                self._cur_replay += data
+        self._feed_start_idle = not self._in_message
+        self._began_in_feed = False
+        self._data = data
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._push("upgrade", None)
+            self._failed = True
+        except httptools.HttpParserError as e:   # a callback's own refusal says why (llhttp: "callback error")
+            self._push("error", self._why or str(e)[:200] or type(e).__name__)
+            self._failed = True
+        if self._in_head and self._head_bytes > self.max_head_bytes and not self._failed:
+            self._push("error", "head_too_large")
+            self._failed = True
+
+    def _push(self, kind: str, value) -> None:
+        self.events.append((kind, value))
+        if kind == "body":
+            self.pending_bytes += len(value)
+
+    def pop(self):
+        kind, value = self.events.popleft()
+        if kind == "body":
+            self.pending_bytes -= len(value)
+        return kind, value
+
+    # ----------------------------------------------------- llhttp callbacks
+    def done_with(self, head: RequestHead) -> None:
+        """The caller decided this request: its raw bytes are no longer needed."""
+        head.replay = None
+        if head in self._open:
+            self._open.remove(head)
+
+    def on_message_begin(self) -> None:
+        first = self._feed_start_idle and not self._began_in_feed
+        self._cur_replay = bytearray(self._data) if first else None
+        self._began_in_feed = True
+        self._in_message = self._in_head = True
+        self._head_bytes = 0
+        self._url.clear()
+        self._headers = []
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._head_bytes += len(url)
+        if self._head_bytes > self.max_head_bytes:
+            self._refuse("head_too_large")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._in_head:
+            self._push("trailers", None)      # refused: a trailer cannot be checked before it is sent
+            self._refuse("trailers")
+        self._headers.append((bytes(name), bytes(value)))
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > self.max_head_bytes:
+            self._refuse("head_too_large")
+
+    def _refuse(self, why: str):
+        self._why = why
+        raise httptools.HttpParserError(why)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        p = self._parser
+        chunked, length = _framing(self._headers)
+        head = RequestHead(method=p.get_method().decode("ascii", "replace"), target=bytes(self._url),
+                           version=p.get_http_version(), headers=self._headers, keep_alive=p.should_keep_alive(),
+                           chunked=chunked, content_length=length, replay=self._cur_replay)
+        self._cur_replay = None
+        if head.replay is not None:
+            self._open.append(head)
+        self._push("head", head)
+
+    def on_body(self, body: bytes) -> None:
+        self._push("body", bytes(body))
+
+    def on_message_complete(self) -> None:
+        self._in_message = False
+        self._push("end", None)
+
+
+def serialize_request_head(method: str, target: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The head we forward, rebuilt from the parsed pieces (never the raw bytes)."""
+    out = [method.encode("ascii"), b" ", target, b" HTTP/1.1\r\n"]
+    for k, v in headers:
+        out += (k, b": ", v, b"\r\n")
+    out.append(b"\r\n")
+    return b"".join(out)
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+LAST_CHUNK = b"0\r\n\r\n"
+
+
+# ------------------------------------------------------------------- responses
+class ResponseReader:
+    """One upstream response (and the 1xx before it), re-framed for the client.
+
+    The sink gets: head(status, reason, headers, body_framing) where body_framing is
+    "none" | "length" | "chunked" | "close"; body(bytes); trailers(list); end(keep_alive);
+    error(why). A response head over `max_head_bytes` or any framing error is an error."""
+
+    def __init__(self, sink, *, head_request: bool, max_head_bytes: int) -> None:
+        self.sink = sink
+        self.head_request = head_request
+        self.max_head_bytes = max_head_bytes
+        self._parser = httptools.HttpResponseParser(self)
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._trailers: list[tuple[bytes, bytes]] = []
+        self._reason = b""
+        self._in_head = True
+        self._head_bytes = 0
+        self.framing = None
+        self.done = False
+        self.failed = False
+
+    def feed(self, data: bytes) -> None:
+        if self.done or self.failed:
+            if data:
+                self._fail("bytes after the response")
+            return
+        if self._in_head:
+            self._head_bytes += len(data)
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail("upgrade")
+        except httptools.HttpParserError as e:
+            self._fail(str(e)[:200] or "parse error")
+        if self._in_head and self._head_bytes > self.max_head_bytes:
+            self._fail("upstream response head too large")    # a head that never ends (bounded)
+
+    def eof(self) -> None:
+        """The upstream closed: the end of a close-delimited body, else a cut response."""
+        if self.done or self.failed:
+            return
+        if self.framing == "close":
+            self.done = True
+            self.sink.end(False)
+        else:
+            self._fail("upstream closed mid-response")
+
+    def _fail(self, why: str) -> None:
+        if not self.failed:          # after the response too: the sink drops a misbehaving upstream
+            self.failed = True
+            self.sink.error(why)
+
+    def on_message_begin(self) -> None:
+        if self.done:
+            raise httptools.HttpParserError("bytes after the response")
+        self._in_head = True
+        self._headers = []
+        self._reason = b""
+
+    def on_status(self, reason: bytes) -> None:
+        self._reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._in_head:
+            self._trailers.append((bytes(name), bytes(value)))
+            return
+        self._headers.append((bytes(name), bytes(value)))
+        if sum(len(k) + len(v) + 4 for k, v in self._headers) > self.max_head_bytes:
+            raise httptools.HttpParserError("upstream response head too large")
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:
+            if status == 101:
+                raise httptools.HttpParserError("101 without an upgrade request")
+            self.sink.head(status, bytes(self._reason), self._headers, "none")
+            self._in_head = True       # the final response follows
+            self._head_bytes = 0
+            return
+        te = [v.strip().lower() for k, v in self._headers if k.lower() == b"transfer-encoding"]
+        has_cl = any(k.lower() == b"content-length" for k, _ in self._headers)
+        if self.head_request or status in (204, 304):
+            self.framing = "none"
+        elif te:
+            self.framing = "chunked" if b",".join(te).split(b",")[-1].strip() == b"chunked" else "close"
+        elif has_cl:
+            self.framing = "length"
+        else:
+            self.framing = "close"
+        self.sink.head(status, bytes(self._reason), self._headers, self.framing)
+        if self.framing == "none":
+            self.done = True           # llhttp would wait for a HEAD response's body: never fed again
+            self.sink.end(self._parser.should_keep_alive())
+
+    def on_body(self, body: bytes) -> None:
+        if self.done:
+            raise httptools.HttpParserError("body on a response without one")
+        self.sink.body(bytes(body))
+
+    def on_message_complete(self) -> None:
+        if self.done or self._in_head:   # 1xx: not the response yet
+            return
+        self.done = True
+        if self._trailers:
+            self.sink.trailers(self._trailers)
+        self.sink.end(self._parser.should_keep_alive())
+
+
+def serialize_response_head(status: int, reason: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
+    out = [b"HTTP/1.1 %d " % status, reason, b"\r\n"]
+    for k, v in headers:
+        out += (k, b": ", v, b"\r\n")
+    out.append(b"\r\n")
+    return b"".join(out)
