@@ -53,6 +53,9 @@ int splice_verdict(struct __sk_buff *skb)
 	struct link *l = bpf_map_lookup_elem(&links, &cookie);
 	if (!l)
 		return SK_DROP;   // not ours (cannot happen while the control plane is consistent)
+	if (skb->len == 0)
+		return SK_DROP;   // a bare FIN: nothing to pass on (userspace passes the FIN); redirected,
+		                  // its empty send after that shutdown would set EPIPE on the peer
 	__u64 peer = l->peer;
 	int verdict = bpf_sk_redirect_hash(skb, &targets, &peer, 0);
 	if (verdict == SK_PASS)

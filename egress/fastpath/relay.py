@@ -10,6 +10,12 @@ done or one is lost, or after `idle_timeout` seconds without a byte either way.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import socket
+import struct
+
+log = logging.getLogger("cubegate.fastpath.splice")
 
 HIGH_WATER = 256 * 1024
 LOW_WATER = 64 * 1024
@@ -142,4 +148,323 @@ class _Side(asyncio.Protocol):
                 peer.transport.close()        # flush what we sent it, then close
             else:
                 peer.transport.abort()        # a reset is passed on as a reset
+        self.relay.side_lost()
+
+
+# ------------------------------------------------------------------ kernel splice
+SPLICE_FLUSH_POLL = 0.002      # seconds between looks while redirected bytes reach the peer's stream
+SPLICE_STALL_POLL = 0.01
+SPLICE_MAX_STALLS = 50         # bytes the verdict leaves queued this many looks in a row: reset
+SPLICE_HIGH = 1024 * 1024      # bytes handed to a peer but not yet in its stream: hold the source
+SPLICE_LOW = 256 * 1024        # ... release it below this
+SPLICE_POLL_MIN, SPLICE_POLL_MAX = 0.005, 0.1
+
+
+class SpliceRelay:
+    """The Relay's face, with the kernel moving the bytes once started (sockmap + sk_skb verdict).
+
+    `splicer` is a cubevs.splice.Splicer handed in by the composition root (egress does not import
+    cubevs).  Until start() this is the userspace Relay (it collects what the upstream sends early);
+    start() splices only when nothing is pending that the kernel could reorder, and otherwise — or
+    when the sockets cannot join the maps — the userspace Relay carries on: no byte has moved in the
+    kernel then.  Spliced, userspace still owns EOF (half-close passed on once every redirected
+    byte is in the peer's stream), resets, the idle timeout (from the byte counters), close/abort.
+    """
+
+    def __init__(self, client_transport, on_bytes_out, on_bytes_in, idle_timeout: float | None,
+                 splicer, on_spliced=None) -> None:
+        self.user = Relay(client_transport, on_bytes_out, on_bytes_in, idle_timeout)
+        self.loop, self.done, self.client = self.user.loop, self.user.done, self.user.client
+        self.splicer = splicer
+        self.idle_timeout = idle_timeout
+        self._on_out, self._on_in, self._on_spliced = on_bytes_out, on_bytes_in, on_spliced
+        self.pair = None
+        self.sides: tuple[_Spliced, _Spliced] | None = None   # (client, upstream)
+        self.reported = (0, 0)
+        self.last = self.loop.time()
+        self._moved = -1
+        self._tick_at = self.last
+        self._timers: set = set()
+        self._ending = False
+        self._idle_expired = False
+
+    @property
+    def spliced(self) -> bool:
+        return self.pair is not None
+
+    @property
+    def idle_expired(self) -> bool:
+        return self._idle_expired or self.user.idle_expired
+
+    def upstream_protocol(self):
+        return self.user.upstream_protocol()
+
+    def start(self, first: bytes) -> None:
+        rest = self._splice(first)
+        if rest is not None:
+            self.user.start(rest)
+
+    # ------------------------------------------------------------- set-up
+    def _splice(self, first: bytes) -> bytes | None:
+        """Splice the pair, or return what the userspace Relay must still send upstream."""
+        c, u = self.client, self.user.upstream
+        if c.eof_pending or u.early or u.eof_pending or u.lost or c.transport.is_closing() \
+                or u.transport.is_closing():
+            return first                  # bytes or EOFs the userspace relay must order: it keeps them
+        c.transport.pause_reading()
+        u.transport.pause_reading()
+        socks = [_dup_socket(t) for t in (c.transport, u.transport)]
+        try:
+            pair = self.splicer.add(socks[0].fileno(), socks[1].fileno())
+        except OSError:
+            for s in socks:
+                s.close()
+            c.transport.resume_reading()
+            u.transport.resume_reading()
+            return first                  # not spliceable (e.g. closing already): userspace relay
+        if first:
+            u.transport.write(first)
+        if c.transport.get_write_buffer_size() or u.transport.get_write_buffer_size():
+            # what userspace wrote is not all in the kernel: the transport keeps ordering it
+            self.splicer.remove(pair)
+            for s in socks:
+                s.close()
+            c.transport.resume_reading()
+            u.transport.resume_reading()
+            return b""
+        self.sides = (_Spliced(self, c.transport, socks[0]), _Spliced(self, u.transport, socks[1]))
+        self.sides[0].peer, self.sides[1].peer = self.sides[1], self.sides[0]
+        for side in self.sides:
+            side.base = self.splicer.written(side.sock)
+            side.transport.set_protocol(side)
+        self.pair = pair
+        try:
+            self.splicer.arm(pair, socks[0], socks[1])
+        except OSError:
+            self.abort("arm failed")               # a side may have handed bytes over already: reset both
+            return None
+        for side in self.sides:
+            self.loop.add_reader(side.sock.fileno(), side.readable)
+        self._tick_at = self.loop.time()
+        self._later(SPLICE_POLL_MIN, self._tick)
+        if self._on_spliced is not None:
+            self._on_spliced()
+        return None
+
+    # ------------------------------------------------------------ helpers
+    def _later(self, delay: float, fn, *args) -> None:
+        h = None
+
+        def run():
+            self._timers.discard(h)
+            fn(*args)
+        h = self.loop.call_later(delay, run)
+        self._timers.add(h)
+
+    def _counters(self):
+        """Counters now; their growth is reported to the byte callbacks (client = a, upstream = b)."""
+        n = self.splicer.counters(self.pair)
+        out_done, in_done = self.reported
+        if n.a_to_b > out_done:
+            self._on_out(n.a_to_b - out_done)
+        if n.b_to_a > in_done:
+            self._on_in(n.b_to_a - in_done)
+        self.reported = (max(out_done, n.a_to_b), max(in_done, n.b_to_a))
+        return n
+
+    def _handed_to(self, side: "_Spliced") -> int:
+        """Bytes the verdict has handed to `side` (received on its peer)."""
+        n = self._counters()
+        return n.b_to_a if side is self.sides[0] else n.a_to_b
+
+    def _flushed(self, side: "_Spliced") -> bool:
+        return self.splicer.written(side.sock) >= side.base + self._handed_to(side)
+
+    def _tick(self) -> None:
+        """Flow control and idle timeout, from the counters.  The kernel queues a redirect into a
+        peer that does not take it without bound, so a side whose bytes are more than SPLICE_HIGH
+        ahead of its peer's stream is held (its bytes wait in its receive queue: TCP holds the
+        sender back) until the peer is below SPLICE_LOW.  The next look comes when, at the rate
+        just seen, the backlog could reach SPLICE_HIGH (SPLICE_POLL_MIN..SPLICE_POLL_MAX)."""
+        if self._ending:
+            return
+        try:
+            n = self._counters()
+            if n.dropped:
+                self.abort("the verdict dropped bytes")
+                return
+            now = self.loop.time()
+            moved = n.a_to_b + n.b_to_a
+            rate = (moved - max(self._moved, 0)) / max(now - self._tick_at, 1e-3)
+            if moved != self._moved:
+                self._moved, self.last = moved, now
+            self._tick_at = now
+            if self.idle_timeout and now - self.last >= self.idle_timeout:
+                self._idle_expired = True
+                self.abort("idle")
+                return
+            worst = 0
+            for src, dst, handed, name in ((self.sides[0], self.sides[1], n.a_to_b, "a"),
+                                           (self.sides[1], self.sides[0], n.b_to_a, "b")):
+                backlog = dst.base + handed - self.splicer.written(dst.sock)
+                if not src.held and backlog > SPLICE_HIGH and not src.eof:
+                    self.splicer.hold(self.pair, name)
+                    src.held = True
+                    self.loop.remove_reader(src.sock.fileno())   # its bytes wait, not stall
+                elif src.held and backlog < SPLICE_LOW:
+                    self.splicer.release(self.pair, name, src.sock)
+                    src.held = False
+                    self._watch(src)
+                worst = max(worst, backlog)
+        except OSError as e:
+            self.abort(f"flow control: {e}")
+            return
+        delay = SPLICE_POLL_MAX if rate <= 0 else (SPLICE_HIGH - min(worst, SPLICE_HIGH // 2)) / rate
+        delay = min(max(delay, SPLICE_POLL_MIN), SPLICE_POLL_MAX)
+        if self.idle_timeout:
+            delay = min(delay, max(0.01, self.last + self.idle_timeout - now + 0.01))
+        self._later(delay, self._tick)
+
+    # ------------------------------------------------------------ events
+    def side_eof(self, side: "_Spliced") -> None:
+        """`side` read EOF: once every byte it sent is in its peer's stream, pass the FIN on."""
+        self._pass_fin(side.peer, self.loop.time() + (self.idle_timeout or 60))
+
+    def _pass_fin(self, target: "_Spliced", deadline: float) -> None:
+        if self._ending:
+            return
+        try:
+            if self._counters().dropped:
+                self.abort("the verdict dropped bytes")
+                return
+            if not self._flushed(target):
+                if self.loop.time() > deadline:
+                    self.abort("FIN not passed on in time")  # the peer does not take our bytes: give up as the idle timeout would
+                else:
+                    self._later(SPLICE_FLUSH_POLL, self._pass_fin, target, deadline)
+                return
+            target.sock.shutdown(socket.SHUT_WR)
+        except OSError as e:
+            self.abort(f"passing the FIN on: {e}")
+            return
+        target.fin_sent = True
+        if all(s.fin_sent for s in self.sides):   # both halves closed and passed on: done
+            self._end(graceful=True)
+
+    def side_stalled(self, side: "_Spliced") -> None:
+        """Bytes sit in `side`'s receive queue that the verdict has not taken: push them through."""
+        side.stalls += 1
+        if side.stalls > SPLICE_MAX_STALLS:
+            self.abort("bytes stuck before the verdict")
+            return
+        self.loop.remove_reader(side.sock.fileno())
+        try:
+            self.splicer.kick(side.sock)
+        except OSError as e:
+            self.abort(f"kick: {e}")
+            return
+        self._later(SPLICE_STALL_POLL, self._watch, side)
+
+    def _watch(self, side: "_Spliced") -> None:
+        if not self._ending and not side.eof and not side.held:
+            self.loop.add_reader(side.sock.fileno(), side.readable)
+
+    # ------------------------------------------------------------ endings
+    def abort(self, why: str = "aborted") -> None:
+        if self.pair is None:
+            self.user.abort()
+        else:
+            if not self._ending:
+                log.info("spliced relay reset: %s", why)
+            self._end(graceful=False)
+
+    def close(self) -> None:
+        """Drain: stop relaying, let what was handed over reach the peers (bounded), then close."""
+        if self.pair is None:
+            self.user.close()
+            return
+        if self._ending:
+            return
+        self.splicer.disarm(self.pair)
+        self._close_when_flushed(self.loop.time() + 1.0)
+
+    def _close_when_flushed(self, deadline: float) -> None:
+        if self._ending:
+            return
+        try:
+            flushed = all(self._flushed(s) for s in self.sides)
+        except OSError:
+            flushed = False
+        if flushed or self.loop.time() > deadline:
+            self._end(graceful=flushed)
+        else:
+            self._later(SPLICE_FLUSH_POLL, self._close_when_flushed, deadline)
+
+    def _end(self, *, graceful: bool) -> None:
+        """Counters read, the pair out of the maps (before any close), then the sockets closed:
+        graceful = FIN, else a reset to both."""
+        if self._ending:
+            return
+        self._ending = True
+        for h in self._timers:
+            h.cancel()
+        self._timers.clear()
+        try:
+            self._counters()
+        except OSError:
+            pass
+        self.splicer.remove(self.pair)
+        for side in self.sides:
+            fd = side.sock.fileno()
+            if fd >= 0:
+                self.loop.remove_reader(fd)
+                if not graceful:
+                    side.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            side.sock.close()
+        for side in self.sides:
+            if not side.transport.is_closing():
+                if graceful:
+                    side.transport.close()
+                else:
+                    side.transport.abort()
+
+    def side_lost(self) -> None:
+        if all(s.lost for s in self.sides) and not self.done.done():
+            self.done.set_result(None)
+
+
+def _dup_socket(transport) -> socket.socket:
+    """Our own handle on a transport's socket (peek, shutdown, options); closing it closes nothing."""
+    return socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
+
+
+class _Spliced(asyncio.Protocol):
+    """One spliced socket: its transport only reports the end; its EOF and errors are read here."""
+
+    def __init__(self, relay: SpliceRelay, transport, sock: socket.socket) -> None:
+        self.relay, self.transport, self.sock = relay, transport, sock
+        self.peer: _Spliced | None = None
+        self.base = 0               # bytes in this socket's stream before the kernel took over
+        self.eof = self.fin_sent = self.lost = False
+        self.held = False           # its bytes wait in its receive queue (flow control)
+        self.stalls = 0
+
+    def readable(self) -> None:
+        """Spliced, a readable socket has an EOF, an error, or bytes the verdict has not taken yet."""
+        try:
+            peek = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self.relay.abort(f"{'client' if self is self.relay.sides[0] else 'upstream'}: {e}")   # reset: passed on: passed on as a reset
+            return
+        if peek:
+            self.relay.side_stalled(self)
+            return
+        self.eof = True
+        self.relay.loop.remove_reader(self.sock.fileno())
+        self.relay.side_eof(self)
+
+    def connection_lost(self, exc) -> None:
+        self.lost = True
         self.relay.side_lost()

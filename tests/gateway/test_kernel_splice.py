@@ -1,0 +1,142 @@
+"""proxy.kernel_splice=auto in a real gateway: passthrough tunnels are joined in the kernel (cubevs
+sockmap) once decided, and everything userspace owned still holds — exact byte counts in the
+audit, half-close, resets, idle timeout, a reader that does not read holding the upstream back.
+
+The whole passthrough suite runs spliced with CUBEGATE_PROXY__KERNEL_SPLICE=auto; this file
+checks that splicing happens at all and what only a splice can get wrong.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import pytest
+
+from tests.faults.helpers import eventually
+from tests.gateway.conftest import MAIN_POLICY
+from tests.gateway.harness import Gateway
+from tests.gateway.test_fastpath import FAST_PATH_OFF, Tunnel, _active, _auth, _fast_outcomes
+
+pytestmark = [pytest.mark.netns,
+              pytest.mark.skipif(FAST_PATH_OFF, reason="proxy.fast_path switched off from the environment")]
+
+IDLE_TIMEOUT = 2
+HOST = "passthrough.allowed.test"
+
+
+@pytest.fixture(scope="module", params=["auto", "off"])
+def sgw(request, lab, tmp_path_factory):
+    gw = Gateway(lab, tmp_path_factory.mktemp(f"splicegw-{request.param}"), {"main.yaml": MAIN_POLICY},
+                 settings_extra={"proxy": {"idle_timeout": IDLE_TIMEOUT, "fast_path": True, "workers": 1,
+                                           "kernel_splice": request.param}})
+    gw.start()
+    gw.splice = request.param
+    yield gw
+    gw.stop()
+
+
+def _tunnel(gw, lab) -> Tunnel:
+    t = Tunnel(gw.proxy_port, f"{HOST}:443", _auth(gw), HOST, str(lab.ca.bundle_path), timeout=10)
+    assert t.status == 200
+    t.handshake()
+    return t
+
+
+def _closed(gw, pred, timeout=10.0) -> dict:
+    return gw.wait_record(lambda r: r["event"] == "connection_closed" and r.get("extra", {}).get("kind")
+                          == "passthrough" and pred(r), timeout=timeout)
+
+
+def test_a_large_download_is_spliced_with_exact_byte_counts(sgw, lab):
+    before = _fast_outcomes(sgw)
+    n = 8 * 1024 * 1024
+
+    def go():
+        t = _tunnel(sgw, lab)
+        t.send(f"GET /bytes?n={n} HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n".encode())
+        body = t.read_all(limit=n + 65536)
+        t.close_notify_and_close()
+        return t.sent, t.received, body
+
+    sent, received, body = lab.call_gw(go)
+    assert body.endswith(b"x" * 1000) and body.count(b"x") >= n, body[:200]
+    after = _fast_outcomes(sgw)
+    assert after.get("relayed", 0) == before.get("relayed", 0) + 1
+    spliced = after.get("spliced", 0) - before.get("spliced", 0)
+    assert spliced == (1 if sgw.splice == "auto" else 0)
+    closed = _closed(sgw, lambda r: r.get("bytes_in") == received)
+    assert closed["bytes_out"] == sent, (closed, sent)          # CONNECT head + ClientHello + the rest
+
+
+def test_keep_alive_requests_pass_both_ways_in_order(sgw, lab):
+    def go():
+        t = _tunnel(sgw, lab)
+        bodies = []
+        for i in range(20):
+            t.send(f"GET /bytes?n={1000 + i} HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+            buf = b""
+            while not buf.endswith(b"x" * (1000 + i)) or b"\r\n\r\n" not in buf:
+                try:
+                    chunk = t.tls.read(65536)
+                except __import__("ssl").SSLWantReadError:
+                    assert t._pull(), "EOF mid-response"
+                    continue
+                buf += chunk
+            bodies.append(buf.split(b"\r\n\r\n", 1)[1])
+        t.close_notify_and_close()
+        return t.sent, bodies
+
+    sent, bodies = lab.call_gw(go)
+    assert [len(b) for b in bodies] == [1000 + i for i in range(20)]
+    assert _closed(sgw, lambda r: r.get("bytes_out") == sent)
+
+
+def test_half_closed_client_gets_its_answer_and_the_tunnel_ends(sgw, lab):
+    def go():
+        t = _tunnel(sgw, lab)
+        t.send(f"GET /half HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n".encode())
+        t.sock.shutdown(socket.SHUT_WR)          # the FIN goes through the splice to the upstream
+        body = t.read_all()
+        t.sock.close()
+        return body
+
+    body = lab.call_gw(go)
+    assert b'"path": "/half"' in body, body[-300:]
+    assert eventually(lambda: _active(sgw) == 0, timeout=10)
+
+
+def test_a_client_that_does_not_read_holds_the_upstream_back(sgw, lab):
+    """The kernel queues a redirect into a full socket without bound: the relay's flow control is
+    what stops a fast upstream filling kernel memory behind a sandbox that does not read."""
+    def go():
+        t = _tunnel(sgw, lab)
+        t.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        t.send(f"GET /bytes?n=400000000 HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+        time.sleep(2.0 * IDLE_TIMEOUT / 2)      # read nothing: the upstream keeps sending
+        t.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        t.sock.close()
+        return t.sent
+
+    sent = lab.call_gw(go)
+    closed = _closed(sgw, lambda r: r.get("bytes_out") == sent)
+    assert closed["bytes_in"] < 32 * 1024 * 1024, f"{closed['bytes_in']} bytes taken from the upstream"
+    assert eventually(lambda: _active(sgw) == 0, timeout=10), "the upstream side was not closed"
+
+
+def test_idle_spliced_tunnel_is_reset_after_idle_timeout(sgw, lab):
+    def go():
+        t = _tunnel(sgw, lab)
+        t.sock.settimeout(IDLE_TIMEOUT * 4 + 5)
+        last = time.monotonic()
+        try:
+            while t.sock.recv(65536):            # session tickets, then silence
+                last = time.monotonic()
+        except ConnectionResetError:
+            pass
+        waited = time.monotonic() - last
+        t.sock.close()
+        return waited
+
+    waited = lab.call_gw(go)
+    assert IDLE_TIMEOUT * 0.9 <= waited <= IDLE_TIMEOUT + 1.0, waited
