@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.netns,
 
 IDLE_TIMEOUT = 2
 HOST = "passthrough.allowed.test"
+SPLICE_TPORT = 18067      # transparent listener of this file (unique among the daemon tests)
 
 
 @pytest.fixture(scope="module", params=["auto", "off"])
@@ -56,7 +57,7 @@ def test_a_large_download_is_spliced_with_exact_byte_counts(sgw, lab):
         t = _tunnel(sgw, lab)
         t.send(f"GET /bytes?n={n} HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n".encode())
         body = t.read_all(limit=n + 65536)
-        t.close_notify_and_close()
+        t.sock.close()           # no close_notify: it would race the gateway's close (either relay)
         return t.sent, t.received, body
 
     sent, received, body = lab.call_gw(go)
@@ -140,3 +141,22 @@ def test_idle_spliced_tunnel_is_reset_after_idle_timeout(sgw, lab):
 
     waited = lab.call_gw(go)
     assert IDLE_TIMEOUT * 0.9 <= waited <= IDLE_TIMEOUT + 1.0, waited
+
+
+def test_transparent_passthrough_is_spliced(lab, tmp_path):
+    """Transparent mode: decided from the ClientHello, then spliced; the ClientHello the gateway
+    read goes first, and the audit counts every byte."""
+    from tests.gateway.switchlab import switch_lab
+    from tests.gateway.test_transparent import POLICY, SANDBOX, sandbox_curl
+
+    with switch_lab(lab, tmp_path, POLICY, sandbox=SANDBOX, tport=SPLICE_TPORT, prefix="cs",
+                    settings_extra={"proxy": {"workers": 1, "kernel_splice": "auto"}}) as (gw, _, net):
+        before = _fast_outcomes(gw).get("spliced", 0)
+        r = sandbox_curl(lab, net, "https://api.allowed.test/bytes?n=3000000",
+                         "--resolve", "api.allowed.test:443:198.18.0.10", timeout=20)
+        assert r.returncode == 0 and r.stdout.rstrip().endswith("200"), (r.stderr, gw.log()[-2000:])
+        assert r.stdout.count("x") >= 3_000_000
+        assert _fast_outcomes(gw).get("spliced", 0) == before + 1
+        closed = gw.wait_record(lambda x: x["event"] == "connection_closed" and x.get("sandbox") == SANDBOX
+                                and x.get("extra", {}).get("kind") == "passthrough")
+        assert closed["bytes_in"] > 3_000_000 and closed["bytes_out"] > 0
