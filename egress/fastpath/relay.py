@@ -158,6 +158,7 @@ SPLICE_MAX_STALLS = 50         # bytes the verdict leaves queued this many looks
 SPLICE_HIGH = 1024 * 1024      # bytes handed to a peer but not yet in its stream: hold the source
 SPLICE_LOW = 256 * 1024        # ... release it below this
 SPLICE_POLL_MIN, SPLICE_POLL_MAX = 0.005, 0.1
+SPLICE_NO_IDLE_FLUSH_LIMIT = 300.0   # without an idle timeout: a FIN waits this long for no progress
 
 
 class SpliceRelay:
@@ -294,8 +295,10 @@ class SpliceRelay:
                 self.abort("the verdict dropped bytes")
                 return
             now = self.loop.time()
-            moved = n.a_to_b + n.b_to_a
-            rate = (moved - max(self._moved, 0)) / max(now - self._tick_at, 1e-3)
+            # activity: bytes handed over, and bytes going into either stream (a slow reader
+            # still draining what the kernel holds for it is not idle); each byte counts twice
+            moved = n.a_to_b + n.b_to_a + sum(self.splicer.written(x.sock) for x in self.sides)
+            rate = (moved - max(self._moved, 0)) / 2 / max(now - self._tick_at, 1e-3)
             if moved != self._moved:
                 self._moved, self.last = moved, now
             self._tick_at = now
@@ -327,10 +330,11 @@ class SpliceRelay:
 
     # ------------------------------------------------------------ events
     def side_eof(self, side: "_Spliced") -> None:
-        """`side` read EOF: once every byte it sent is in its peer's stream, pass the FIN on."""
-        self._pass_fin(side.peer, self.loop.time() + (self.idle_timeout or 60))
+        """`side` read EOF: once every byte it sent is in its peer's stream, pass the FIN on.
+        A peer that stops taking bytes is the idle timeout's (_tick) to end."""
+        self._pass_fin(side.peer, SPLICE_FLUSH_POLL)
 
-    def _pass_fin(self, target: "_Spliced", deadline: float) -> None:
+    def _pass_fin(self, target: "_Spliced", wait: float) -> None:
         if self._ending:
             return
         try:
@@ -338,10 +342,10 @@ class SpliceRelay:
                 self.abort("the verdict dropped bytes")
                 return
             if not self._flushed(target):
-                if self.loop.time() > deadline:
-                    self.abort("FIN not passed on in time")  # the peer does not take our bytes: give up as the idle timeout would
-                else:
-                    self._later(SPLICE_FLUSH_POLL, self._pass_fin, target, deadline)
+                if not self.idle_timeout and self.loop.time() - self.last > SPLICE_NO_IDLE_FLUSH_LIMIT:
+                    self.abort("FIN not passed on in time")  # no idle timeout to end it
+                else:   # a slow reader: look less often, up to every 50 ms
+                    self._later(wait, self._pass_fin, target, min(wait * 2, 0.05))
                 return
             target.sock.shutdown(socket.SHUT_WR)
         except OSError as e:
