@@ -3,7 +3,7 @@
 Run (root; builds a lab, removes it and every process at the end, also on failure):
 
     flock /work/bench.lock .venv/bin/python bench/bench_splice.py [--downloads 3] [--mib 256]
-        [--requests 2000] [--concurrency 10] [--modes off,auto]
+        [--requests 2000] [--concurrency 10] [--modes off,auto] [--keep]
 
 One cubegate (workers=1, fast path) per mode, nginx (apt nginx-light) in the lab's
 "internet" namespace as the upstream, clients in the gw namespace:
@@ -35,9 +35,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench import hey, nginx_upstream  # noqa: E402
+from contextlib import nullcontext  # noqa: E402
+
+from bench import hey, nginx_upstream, pyspy  # noqa: E402
 from bench.nginx_upstream import NginxUpstream  # noqa: E402
-from bench.proctree import tree_cpu_seconds  # noqa: E402
+from bench.proctree import _stat_fields, tree_cpu_seconds, tree_pids  # noqa: E402
 from bench.proxies import CUBEGATE_POLICY, INJECTED_AUTH, PASS_HOST  # noqa: E402
 from testbed.lab import Lab  # noqa: E402
 from tests.gateway.harness import Gateway  # noqa: E402
@@ -85,6 +87,16 @@ def kthread_cpu_seconds() -> float:
     return ticks / _TICK
 
 
+def tree_sys_seconds(root: int) -> float:
+    """stime (+cstime) of the tree: kernel work done in the gateway's own context."""
+    ticks = 0
+    for pid in tree_pids(root):
+        f = _stat_fields(pid)
+        if f:
+            ticks += int(f[12]) + int(f[14])
+    return ticks / _TICK
+
+
 def busy_cpu_seconds() -> float:
     f = [int(x) for x in open("/proc/stat").readline().split()[1:]]
     idle = f[3] + f[4]
@@ -97,22 +109,33 @@ class Meter:
 
     def __enter__(self) -> "Meter":
         time.sleep(0.3)
-        self.g0, self.k0, self.b0, self.t0 = (tree_cpu_seconds(self.pid), kthread_cpu_seconds(),
-                                              busy_cpu_seconds(), time.monotonic())
+        self.g0, self.s0, self.k0, self.b0, self.t0 = (tree_cpu_seconds(self.pid), tree_sys_seconds(self.pid),
+                                                       kthread_cpu_seconds(), busy_cpu_seconds(), time.monotonic())
         return self
 
     def __exit__(self, *exc) -> None:
         self.wall = time.monotonic() - self.t0
         time.sleep(0.3)      # closing connections, audit
         self.gw = tree_cpu_seconds(self.pid) - self.g0
+        self.sys = tree_sys_seconds(self.pid) - self.s0
         self.kt = kthread_cpu_seconds() - self.k0
         self.busy = busy_cpu_seconds() - self.b0
 
 
-def spliced_count(gw: Gateway) -> float:
+def outcome_count(gw: Gateway, outcome: str) -> float:
     _, body = gw.ops_status("/metrics")
-    m = re.search(r'^cubegate_fast_path_connections_total\{outcome="spliced"\} (\S+)$', body, re.M)
+    m = re.search(r'^cubegate_fast_path_connections_total\{outcome="%s"\} (\S+)$' % outcome, body, re.M)
     return float(m.group(1)) if m else 0.0
+
+
+def spliced_count(gw: Gateway) -> tuple[float, float]:
+    """(tunnels spliced, tunnels relayed) so far."""
+    return outcome_count(gw, "spliced"), outcome_count(gw, "relayed")
+
+
+def _delta(gw: Gateway, before: tuple[float, float]) -> str:
+    now = spliced_count(gw)
+    return f"{now[0] - before[0]:.0f}/{now[1] - before[1]:.0f}"
 
 
 def download_row(lab, gw: Gateway, mode: str, downloads: int, mib: int) -> dict:
@@ -126,23 +149,23 @@ def download_row(lab, gw: Gateway, mode: str, downloads: int, mib: int) -> dict:
             assert code == "200" and int(size) == mib * 1024 * 1024, (r.stdout, r.stderr[-300:])
     total = downloads * mib
     return {"row": "download", "mode": mode, "units": f"{total} MiB", "MiB/s": total / m.wall,
-            "gw_ms": m.gw * 1000 / total, "kthreads_ms": m.kt * 1000 / total, "busy_ms": m.busy * 1000 / total,
-            "per": "MiB", "spliced": spliced_count(gw) - s0}
+            "gw_ms": m.gw * 1000 / total, "gw_sys_ms": m.sys * 1000 / total, "kthreads_ms": m.kt * 1000 / total, "busy_ms": m.busy * 1000 / total,
+            "per": "MiB", "spliced": _delta(gw, s0)}
 
 
-def ka_row(lab, gw: Gateway, mode: str, requests: int, concurrency: int) -> dict:
+def ka_row(lab, gw: Gateway, mode: str, requests: int, concurrency: int, profile_to: Path | None = None) -> dict:
     sent = hey.sent_count(requests, concurrency)
     argv = hey.argv(f"https://{PASS_HOST}/", requests=requests, concurrency=concurrency,
                     proxy=gw.proxy_url("sb-1"), keepalive=True, csv=True)
     s0 = spliced_count(gw)
-    with Meter(gw.proc.pid) as m:
+    with (pyspy.Recorder(gw.proc.pid, profile_to) if profile_to else nullcontext()), Meter(gw.proc.pid) as m:
         out = lab.run_gw(argv, lab_dns=False, timeout=30 + requests * 0.1)
     assert out.returncode == 0, out.stderr[-500:]
     res = hey.parse_csv(out.stdout, sent)
-    assert res.errors == 0, f"{res.errors} errors"
+    assert res.failed == 0 and res.status_counts.get(200) == sent, (res.status_counts, res.errors)
     return {"row": "keep-alive", "mode": mode, "units": f"{sent} req", "req/s": res.rps,
-            "gw_ms": m.gw * 1000 / sent, "kthreads_ms": m.kt * 1000 / sent, "busy_ms": m.busy * 1000 / sent,
-            "per": "req", "spliced": spliced_count(gw) - s0}
+            "gw_ms": m.gw * 1000 / sent, "gw_sys_ms": m.sys * 1000 / sent, "kthreads_ms": m.kt * 1000 / sent, "busy_ms": m.busy * 1000 / sent,
+            "per": "req", "spliced": _delta(gw, s0)}
 
 
 def main(argv=None) -> int:
@@ -152,7 +175,11 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=10)
     ap.add_argument("--modes", type=lambda s: s.split(","), default=["off", "auto"])
+    ap.add_argument("--keep", action="store_true", help="keep the gateways' logs and state (prints where)")
+    ap.add_argument("--profile", type=Path, default=None, help="py-spy the keep-alive rows into this directory")
     args = ap.parse_args(argv)
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
     assert args.requests <= 5000 and args.downloads * args.mib <= 4096, "keep a bench run short"
     rows = []
     workdir = Path(tempfile.mkdtemp(prefix="cgsplice-"))
@@ -169,8 +196,10 @@ def main(argv=None) -> int:
                                                  "proxy": {"workers": 1, "kernel_splice": mode}})
                     gw.start()
                     try:
-                        for row in (download_row(lab, gw, mode, args.downloads, args.mib),
-                                    ka_row(lab, gw, mode, args.requests, args.concurrency)):
+                        for measure in (lambda: download_row(lab, gw, mode, args.downloads, args.mib),
+                                        lambda: ka_row(lab, gw, mode, args.requests, args.concurrency,
+                                                       args.profile / f"ka-{mode}.txt" if args.profile else None)):
+                            row = measure()
                             rows.append(row)
                             print(row, flush=True)
                     finally:
@@ -178,14 +207,18 @@ def main(argv=None) -> int:
             finally:
                 up.stop()
     finally:
-        subprocess.run(["rm", "-rf", str(workdir)], check=False)
+        if args.keep:
+            print("kept:", *workdir.glob("gw-*/gateway.log"))
+        else:
+            subprocess.run(["rm", "-rf", str(workdir)], check=False)
     print()
-    print("| row | kernel_splice | work | throughput | gateway CPU | kthreads CPU | machine busy CPU | spliced |")
+    print("| row | kernel_splice | work | throughput | gateway CPU (of it sys) | kthreads CPU | machine busy CPU | "
+          "tunnels spliced/relayed |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         tp = f"{r['MiB/s']:.0f} MiB/s" if "MiB/s" in r else f"{r['req/s']:.0f} req/s"
-        print(f"| {r['row']} | {r['mode']} | {r['units']} | {tp} | {r['gw_ms']:.3f} ms/{r['per']} | "
-              f"{r['kthreads_ms']:.3f} ms/{r['per']} | {r['busy_ms']:.3f} ms/{r['per']} | {r['spliced']:.0f} |")
+        print(f"| {r['row']} | {r['mode']} | {r['units']} | {tp} | {r['gw_ms']:.3f} ({r['gw_sys_ms']:.3f}) ms/{r['per']} | "
+              f"{r['kthreads_ms']:.3f} ms/{r['per']} | {r['busy_ms']:.3f} ms/{r['per']} | {r['spliced']} |")
     return 0
 
 

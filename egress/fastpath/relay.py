@@ -211,13 +211,17 @@ class SpliceRelay:
         c, u = self.client, self.user.upstream
         if c.eof_pending or u.early or u.eof_pending or u.lost or c.transport.is_closing() \
                 or u.transport.is_closing():
+            log.debug("not spliced: pending in userspace (client eof %s, upstream early %d eof %s lost %s, closing %s/%s)",
+                      c.eof_pending, len(u.early), u.eof_pending, u.lost, c.transport.is_closing(),
+                      u.transport.is_closing())
             return first                  # bytes or EOFs the userspace relay must order: it keeps them
         c.transport.pause_reading()
         u.transport.pause_reading()
         socks = [_dup_socket(t) for t in (c.transport, u.transport)]
         try:
             pair = self.splicer.add(socks[0].fileno(), socks[1].fileno())
-        except OSError:
+        except OSError as e:
+            log.debug("not spliced: %s", e)
             for s in socks:
                 s.close()
             c.transport.resume_reading()
@@ -227,6 +231,7 @@ class SpliceRelay:
             u.transport.write(first)
         if c.transport.get_write_buffer_size() or u.transport.get_write_buffer_size():
             # what userspace wrote is not all in the kernel: the transport keeps ordering it
+            log.debug("not spliced: a write buffer is not empty")
             self.splicer.remove(pair)
             for s in socks:
                 s.close()
