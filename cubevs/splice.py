@@ -13,6 +13,9 @@ A pair's life, in this order (the order is what keeps every byte in place):
   written(fd)  bytes the kernel has put into a socket's TCP stream (acked + in the send queue):
                a redirected byte counted by the verdict is only in the peer's stream once this
                has caught up, so a FIN (shutdown) is sent only then.
+  set_budget   bytes a side may hand over before the verdict alerts userspace (ring buffer,
+               dispatched to Pair.on_alert by watch_alerts): the kernel has no backpressure of
+               its own for a redirect into a full peer, so the relay holds such a side.
   remove(pair) out of both maps (redirects still queued for a socket are dropped with it: remove
                only once flushed, or when resetting), links deleted.  Always before close().
 Userspace keeps everything else: EOF and reset propagation, idle timeout, closing.
@@ -44,6 +47,13 @@ class _Link(ctypes.Structure):   # struct link in splice.c
     _fields_ = [("peer", ctypes.c_uint64), ("bytes", ctypes.c_uint64), ("dropped", ctypes.c_uint64)]
 
 
+class _Budget(ctypes.Structure):   # struct budget in splice.c
+    _fields_ = [("limit", ctypes.c_uint64), ("alerted", ctypes.c_uint64)]
+
+
+NO_LIMIT = (1 << 64) - 1
+
+
 @dataclass
 class Pair:
     a_fd: int
@@ -52,6 +62,7 @@ class Pair:
     b_cookie: int
     armed: bool = False
     removed: bool = False
+    on_alert: object = None    # called (no arguments) when a side passes its budget or drops bytes
 
 
 @dataclass(frozen=True)
@@ -100,12 +111,17 @@ class Splicer:
             self._targets = libbpf.Map(os.dup(self._obj.map_fd("targets")), u64, u64)
             self._spliced = libbpf.Map(os.dup(self._obj.map_fd("spliced")), u64, u64)
             self._links = libbpf.Map(os.dup(self._obj.map_fd("links")), u64, _Link)
+            self._budgets = libbpf.Map(os.dup(self._obj.map_fd("budgets")), u64, _Budget)
+            self._alerts_fd = os.dup(self._obj.map_fd("alerts"))
+            self._alerts = libbpf.RingBuffer(self._alerts_fd)
             libbpf.prog_attach(self._obj.prog_fd("splice_verdict"), self._spliced.fd,
                                libbpf.BPF_SK_SKB_STREAM_VERDICT)
         except BaseException:
             self.close()
             raise
         self.pairs = 0
+        self._by_cookie: dict[int, Pair] = {}
+        self._alert_loop = None
 
     # ------------------------------------------------------------------ pairs
     def add(self, a_fd: int, b_fd: int) -> Pair:
@@ -115,6 +131,8 @@ class Splicer:
         done = []   # (map, cookie) added so far: a failure takes back exactly these
         steps = ((self._links, pair.a_cookie, _Link(peer=pair.b_cookie)),
                  (self._links, pair.b_cookie, _Link(peer=pair.a_cookie)),
+                 (self._budgets, pair.a_cookie, _Budget(limit=NO_LIMIT)),
+                 (self._budgets, pair.b_cookie, _Budget(limit=NO_LIMIT)),
                  (self._targets, pair.a_cookie, ctypes.c_uint64(a_fd)),
                  (self._targets, pair.b_cookie, ctypes.c_uint64(b_fd)))
         try:
@@ -126,7 +144,29 @@ class Splicer:
                 m.delete(ctypes.c_uint64(cookie))
             raise SpliceError(e.errno or 22, f"splice add: {e.strerror or e}") from None
         self.pairs += 1
+        self._by_cookie[pair.a_cookie] = self._by_cookie[pair.b_cookie] = pair
         return pair
+
+    # ------------------------------------------------------------ flow control
+    def set_budget(self, pair: Pair, side: str, limit: int) -> None:
+        """Side "a"/"b" may hand over until its counter passes `limit`; then one alert."""
+        cookie = pair.a_cookie if side == "a" else pair.b_cookie
+        self._budgets.update(ctypes.c_uint64(cookie), _Budget(limit=min(limit, NO_LIMIT)))
+
+    def watch_alerts(self, loop) -> None:
+        """Call each pair's on_alert from `loop` when its socket passes its budget (idempotent).
+        The alert ring buffer's fd is readable when records are waiting."""
+        if self._alert_loop is None:
+            loop.add_reader(self._alerts_fd, self.dispatch_alerts)
+            self._alert_loop = loop
+
+    def dispatch_alerts(self, max_records: int = 4096) -> int:
+        records = self._alerts.drain(max_records)
+        due = {id(p): p for p in (self._by_cookie.get(struct.unpack("=Q", r[:8])[0]) for r in records)
+               if p is not None and not p.removed and p.on_alert is not None}
+        for p in due.values():
+            p.on_alert()
+        return len(records)
 
     def arm(self, pair: Pair, a_sock: socket.socket, b_sock: socket.socket) -> None:
         """From now on the kernel relays.  On SpliceError the caller must reset both sockets:
@@ -182,9 +222,21 @@ class Splicer:
         for cookie in (pair.a_cookie, pair.b_cookie):
             self._targets.delete(ctypes.c_uint64(cookie))
             self._links.delete(ctypes.c_uint64(cookie))
+            self._budgets.delete(ctypes.c_uint64(cookie))
+            if self._by_cookie.get(cookie) is pair:
+                del self._by_cookie[cookie]
 
     def close(self) -> None:
-        for m in ("_targets", "_spliced", "_links"):
+        if getattr(self, "_alert_loop", None) is not None:
+            self._alert_loop.remove_reader(self._alerts_fd)
+            self._alert_loop = None
+        if getattr(self, "_alerts", None) is not None:
+            self._alerts.close()
+            self._alerts = None
+        if getattr(self, "_alerts_fd", None) is not None:
+            os.close(self._alerts_fd)
+            self._alerts_fd = None
+        for m in ("_targets", "_spliced", "_links", "_budgets"):
             mp = getattr(self, m, None)
             if mp is not None:
                 mp.close()

@@ -46,6 +46,28 @@ struct {
 	__type(value, struct link);
 } links SEC(".maps");
 
+// Flow control: the kernel queues a redirect into a peer that does not take it without
+// bound, so userspace gives every socket a budget (bytes it may hand over before userspace
+// looks again).  Past it the verdict still hands the skb over (it cannot push back) but
+// tells userspace at once through `alerts` (the socket's cookie), once per budget; userspace
+// then holds the socket (out of `spliced`: TCP flow control holds its sender back).
+struct budget {
+	__u64 limit;     // `bytes` may grow to this before an alert
+	__u64 alerted;   // set here, cleared by userspace with a new limit
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_SOCKETS);
+	__type(key, __u64);
+	__type(value, struct budget);
+} budgets SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 64 * 1024);
+} alerts SEC(".maps");
+
 SEC("sk_skb/stream_verdict")
 int splice_verdict(struct __sk_buff *skb)
 {
@@ -62,5 +84,11 @@ int splice_verdict(struct __sk_buff *skb)
 		__sync_fetch_and_add(&l->bytes, skb->len);
 	else
 		__sync_fetch_and_add(&l->dropped, skb->len);   // userspace sees it and resets both sides
+	struct budget *b = bpf_map_lookup_elem(&budgets, &cookie);
+	if (verdict != SK_PASS || (b && l->bytes > b->limit && !b->alerted)) {
+		if (b)
+			b->alerted = 1;
+		bpf_ringbuf_output(&alerts, &cookie, sizeof(cookie), 0);   // full: userspace's tick still looks
+	}
 	return verdict;
 }

@@ -157,7 +157,7 @@ SPLICE_STALL_POLL = 0.01
 SPLICE_MAX_STALLS = 50         # bytes the verdict leaves queued this many looks in a row: reset
 SPLICE_HIGH = 1024 * 1024      # bytes handed to a peer but not yet in its stream: hold the source
 SPLICE_LOW = 256 * 1024        # ... release it below this
-SPLICE_POLL_MIN, SPLICE_POLL_MAX = 0.005, 0.1
+SPLICE_POLL_MIN, SPLICE_POLL_MAX = 0.005, 1.0   # a held side / otherwise (budgets alert at once)
 SPLICE_NO_IDLE_FLUSH_LIMIT = 300.0   # without an idle timeout: a FIN waits this long for no progress
 
 
@@ -184,7 +184,7 @@ class SpliceRelay:
         self.reported = (0, 0)
         self.last = self.loop.time()
         self._moved = -1
-        self._tick_at = self.last
+        self._tick_handle = None
         self._timers: set = set()
         self._ending = False
         self._idle_expired = False
@@ -245,14 +245,18 @@ class SpliceRelay:
             side.transport.set_protocol(side)
         self.pair = pair
         try:
+            for name in ("a", "b"):                # bounded from the first byte (see _tick)
+                self.splicer.set_budget(pair, name, SPLICE_HIGH)
+            pair.on_alert = self._alerted
+            self.splicer.watch_alerts(self.loop)
             self.splicer.arm(pair, socks[0], socks[1])
         except OSError:
             self.abort("arm failed")               # a side may have handed bytes over already: reset both
             return None
         for side in self.sides:
             self.loop.add_reader(side.sock.fileno(), side.readable)
-        self._tick_at = self.loop.time()
-        self._later(SPLICE_POLL_MIN, self._tick)
+        self._moved, self.last = self._activity(self.splicer.counters(pair)), self.loop.time()
+        self._tick_handle = self.loop.call_later(self._tick_interval(), self._tick)
         if self._on_spliced is not None:
             self._on_spliced()
         return None
@@ -286,12 +290,29 @@ class SpliceRelay:
     def _flushed(self, side: "_Spliced") -> bool:
         return self.splicer.written(side.sock) >= side.base + self._handed_to(side)
 
+    def _activity(self, n) -> int:
+        """Bytes handed over, and bytes gone into either stream (a slow reader still draining what
+        the kernel holds for it is not idle)."""
+        return n.a_to_b + n.b_to_a + sum(self.splicer.written(x.sock) for x in self.sides)
+
+    def _tick_interval(self) -> float:
+        """Activity is seen at ticks: a quarter of the idle timeout is the most it is late by."""
+        return min(SPLICE_POLL_MAX, self.idle_timeout / 4) if self.idle_timeout else SPLICE_POLL_MAX
+
+    def _alerted(self) -> None:
+        """The verdict says a side passed its budget (or dropped bytes): look now."""
+        if self._tick_handle is not None:
+            self._tick_handle.cancel()
+        self._tick()
+
     def _tick(self) -> None:
         """Flow control and idle timeout, from the counters.  The kernel queues a redirect into a
-        peer that does not take it without bound, so a side whose bytes are more than SPLICE_HIGH
-        ahead of its peer's stream is held (its bytes wait in its receive queue: TCP holds the
-        sender back) until the peer is below SPLICE_LOW.  The next look comes when, at the rate
-        just seen, the backlog could reach SPLICE_HIGH (SPLICE_POLL_MIN..SPLICE_POLL_MAX)."""
+        peer that does not take it without bound, so each side may hand over only SPLICE_HIGH bytes
+        more than its peer's stream has taken (its budget in the kernel; passing it alerts us at
+        once).  A side past it is held (its bytes wait in its receive queue: TCP holds the sender
+        back) until its peer is below SPLICE_LOW; while one is held we look every SPLICE_POLL_MIN,
+        else every SPLICE_POLL_MAX (idle timeout, budgets)."""
+        self._tick_handle = None
         if self._ending:
             return
         try:
@@ -300,18 +321,13 @@ class SpliceRelay:
                 self.abort("the verdict dropped bytes")
                 return
             now = self.loop.time()
-            # activity: bytes handed over, and bytes going into either stream (a slow reader
-            # still draining what the kernel holds for it is not idle); each byte counts twice
-            moved = n.a_to_b + n.b_to_a + sum(self.splicer.written(x.sock) for x in self.sides)
-            rate = (moved - max(self._moved, 0)) / 2 / max(now - self._tick_at, 1e-3)
+            moved = self._activity(n)
             if moved != self._moved:
                 self._moved, self.last = moved, now
-            self._tick_at = now
             if self.idle_timeout and now - self.last >= self.idle_timeout:
                 self._idle_expired = True
                 self.abort("idle")
                 return
-            worst = 0
             for src, dst, handed, name in ((self.sides[0], self.sides[1], n.a_to_b, "a"),
                                            (self.sides[1], self.sides[0], n.b_to_a, "b")):
                 backlog = dst.base + handed - self.splicer.written(dst.sock)
@@ -320,18 +336,19 @@ class SpliceRelay:
                     src.held = True
                     self.loop.remove_reader(src.sock.fileno())   # its bytes wait, not stall
                 elif src.held and backlog < SPLICE_LOW:
+                    self.splicer.set_budget(self.pair, name, handed + SPLICE_HIGH - max(backlog, 0))
                     self.splicer.release(self.pair, name, src.sock)
                     src.held = False
                     self._watch(src)
-                worst = max(worst, backlog)
+                elif not src.held:
+                    self.splicer.set_budget(self.pair, name, handed + SPLICE_HIGH - max(backlog, 0))
         except OSError as e:
             self.abort(f"flow control: {e}")
             return
-        delay = SPLICE_POLL_MAX if rate <= 0 else (SPLICE_HIGH - min(worst, SPLICE_HIGH // 2)) / rate
-        delay = min(max(delay, SPLICE_POLL_MIN), SPLICE_POLL_MAX)
+        delay = SPLICE_POLL_MIN if any(x.held for x in self.sides) else self._tick_interval()
         if self.idle_timeout:
             delay = min(delay, max(0.01, self.last + self.idle_timeout - now + 0.01))
-        self._later(delay, self._tick)
+        self._tick_handle = self.loop.call_later(delay, self._tick)
 
     # ------------------------------------------------------------ events
     def side_eof(self, side: "_Spliced") -> None:
@@ -415,6 +432,8 @@ class SpliceRelay:
         if self._ending:
             return
         self._ending = True
+        if self._tick_handle is not None:
+            self._tick_handle.cancel()
         for h in self._timers:
             h.cancel()
         self._timers.clear()

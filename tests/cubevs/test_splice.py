@@ -221,3 +221,31 @@ def test_bytes_the_verdict_drops_are_counted(splicer, lab):
     _eventually(lambda: splicer.counters(pair).dropped == 4)
     assert splicer.counters(pair).a_to_b == 0
     splicer.remove(pair)
+
+
+def test_a_side_past_its_budget_alerts_once_per_budget(splicer, lab):
+    """The relay's flow control: the verdict tells userspace at once (ring buffer) when a side
+    has handed over more than its budget; one alert per budget, again after a new one."""
+    import asyncio
+    pair = _splice(splicer, lab)
+    alerts = []
+    pair.on_alert = lambda: alerts.append(splicer.counters(pair).a_to_b)
+    splicer.set_budget(pair, "a", 10_000)
+    lab.client.sendall(b"x" * 5_000)
+    assert _recv_exactly(lab.server, 5_000)
+    assert splicer.dispatch_alerts() == 0 and alerts == []          # within the budget
+    for _ in range(4):
+        lab.client.sendall(b"y" * 5_000)
+        _recv_exactly(lab.server, 5_000)
+    assert splicer.dispatch_alerts() == 1 and len(alerts) == 1 and alerts[0] > 10_000
+    splicer.set_budget(pair, "a", splicer.counters(pair).a_to_b + 1_000)
+    lab.client.sendall(b"z" * 2_000)
+    _recv_exactly(lab.server, 2_000)
+    loop = asyncio.new_event_loop()                                  # the relay's way: a reader on the fd
+    try:
+        splicer.watch_alerts(loop)
+        loop.run_until_complete(asyncio.sleep(0.05))
+    finally:
+        splicer.close()                                              # removes the reader first
+        loop.close()
+    assert len(alerts) == 2
