@@ -155,8 +155,9 @@ class ProxySettings(_Section):
     max_buffered_bytes_per_sandbox: _count(0, 64 * GiB) = 16 * MiB  # all of one sandbox's buffered bodies
     fast_path: Bool = True                      # our listeners decide and relay what needs no interception;
                                                 # false: mitmproxy alone (the fallback)
-    kernel_splice: Literal["off", "auto"] = "off"   # auto: a passthrough's two sockets are joined in the
-                                                # kernel (cubevs sockmap) when BPF allows, else relayed here
+    kernel_splice: Literal["off", "auto"] = "off"   # auto (experimental, unsafe on kernel 6.18: see
+                                                # egress/fastpath/relay.py SpliceRelay): a passthrough's two
+                                                # sockets are joined in the kernel (cubevs sockmap)
     workers: _count(1, 32) | None = None        # data-plane processes (fast path + mitmproxy + gate), each on
                                                 # every proxy port; None: the CPUs available to the daemon
                                                 # (1 with fast_path off: mitmproxy's listeners cannot share a port)

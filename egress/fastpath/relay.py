@@ -170,6 +170,14 @@ class SpliceRelay:
     when the sockets cannot join the maps — the userspace Relay carries on: no byte has moved in the
     kernel then.  Spliced, userspace still owns EOF (half-close passed on once every redirected
     byte is in the peer's stream), resets, the idle timeout (from the byte counters), close/abort.
+
+    Why proxy.kernel_splice is off by default (measured on kernel 6.18): the kernel has no
+    backpressure for a redirect into a peer that does not take the bytes (they queue on the
+    peer's psock without bound, tests/cubevs/test_splice.py::test_the_kernel_alone_queues_past_a_full_peer),
+    and the only lossless-looking brake — taking the source out of the verdict map and putting it
+    back (hold/release) — loses bytes when cycled under load (bench/repro_splice_hold.py: 32-64 KiB,
+    about one loopback segment or two, of 64 MiB missing in 2 of 3 runs, and the verdict never saw
+    them; a spliced 128 MiB TLS download through the gateway failed with a cipher/MAC error).
     """
 
     def __init__(self, client_transport, on_bytes_out, on_bytes_in, idle_timeout: float | None,
