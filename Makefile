@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 bpf: venv
-	$(PY) -m cubevs.build
+	$(PY) -m cubevs.build            # cubevs/bpf/build/switch.o and splice.o
 	$(PY) -m sandbox_runtime.build_agent
 	$(PY) -m sandbox_runtime.microvm build
 

@@ -57,6 +57,17 @@ def vault_ready(v) -> tuple[bool, str]:
     return (not v.sealed), ("unsealed" if not v.sealed else "sealed: bound requests get 503")
 
 
+def kernel_splicer():
+    """This worker's cubevs splice maps, or None (userspace relay) where BPF cannot load them."""
+    try:
+        from cubevs.splice import Splicer
+        return Splicer()
+    except Exception as e:   # no BPF here (permissions, kernel, clang): the relay stays in userspace
+        log.warning("proxy.kernel_splice=auto: kernel splice unavailable (%s: %s); relaying in userspace",
+                    type(e).__name__, e)
+        return None
+
+
 class DataPlane:
     def __init__(self, s, *, policies, identities, guard, resolver, audit, metrics, credentials,
                  sandbox_lookup, agent_endpoint, sockets: dict[bool, list] | None) -> None:
@@ -94,7 +105,8 @@ class DataPlane:
             from egress.fastpath.server import FastPath
             self.fast_path = FastPath(gate=self.gate, master=self.master, listen_host=s.proxy.listen_host,
                                       explicit_port=s.proxy.explicit_port, transparent_port=s.proxy.transparent_port,
-                                      idle_timeout=s.proxy.idle_timeout, plain_http=s.proxy.fast_plain_http)
+                                      idle_timeout=s.proxy.idle_timeout, plain_http=s.proxy.fast_plain_http,
+                                      splicer=kernel_splicer() if s.proxy.kernel_splice == "auto" else None)
         self._backlog = None
 
     async def start(self, supervisor) -> asyncio.Task:

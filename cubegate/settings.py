@@ -157,6 +157,9 @@ class ProxySettings(_Section):
                                                 # false: mitmproxy alone (the fallback)
     fast_plain_http: Bool = True                # plain HTTP parsed, decided and relayed by the fast path
                                                 # (egress/fastpath/plain.py); false: mitmproxy decides it
+    kernel_splice: Literal["off", "auto"] = "off"   # auto (experimental, unsafe on kernel 6.18: see
+                                                # egress/fastpath/relay.py SpliceRelay): a passthrough's two
+                                                # sockets are joined in the kernel (cubevs sockmap)
     workers: _count(1, 32) | None = None        # data-plane processes (fast path + mitmproxy + gate), each on
                                                 # every proxy port; None: the CPUs available to the daemon
                                                 # (1 with fast_path off: mitmproxy's listeners cannot share a port)

@@ -1,7 +1,7 @@
-"""Compile cubevs/bpf/switch.c into a BPF object (clang -target bpf), cached.
+"""Compile cubevs/bpf/<name>.c (switch.c, splice.c) into BPF objects (clang -target bpf), cached.
 
-Callable from Python (`build()`) and as `python -m cubevs.build [OUT_DIR]` for
-install/CI.  Rebuilds when the .c is newer than the cached .o.
+Callable from Python (`build()`, `build(name="splice")`) and as `python -m cubevs.build [OUT_DIR]`
+for install/CI (builds every program).  Rebuilds when the .c is newer than the cached .o.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 
 BPF_DIR = Path(__file__).resolve().parent / "bpf"
 SOURCE = BPF_DIR / "switch.c"
+PROGRAMS = ("switch", "splice")
 
 
 class BuildError(RuntimeError):
@@ -43,15 +44,18 @@ def default_out_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cubevs"
 
 
-def build(out_dir: str | os.PathLike | None = None, *, force: bool = False) -> Path:
-    """Return the path of an up-to-date switch.o, compiling it if needed."""
+def build(out_dir: str | os.PathLike | None = None, *, force: bool = False, name: str = "switch") -> Path:
+    """Return the path of an up-to-date <name>.o, compiling it if needed."""
+    if name not in PROGRAMS:
+        raise BuildError(f"unknown BPF program {name!r}")
+    source = BPF_DIR / f"{name}.c"
     out = Path(out_dir) if out_dir else default_out_dir()
     out.mkdir(parents=True, exist_ok=True)
-    obj = out / "switch.o"
-    if not force and obj.exists() and obj.stat().st_mtime >= SOURCE.stat().st_mtime:
+    obj = out / f"{name}.o"
+    if not force and obj.exists() and obj.stat().st_mtime >= source.stat().st_mtime:
         return obj
     cmd = [_clang(), "-O2", "-g", "-Wall", "-target", "bpf",
-           f"-I/usr/include/{_multiarch()}", "-c", str(SOURCE)]
+           f"-I/usr/include/{_multiarch()}", "-c", str(source)]
     # compile to a temp file and rename: concurrent builders never see a half-written .o
     fd, tmp = tempfile.mkstemp(dir=out, suffix=".o.tmp")
     os.close(fd)
@@ -67,4 +71,5 @@ def build(out_dir: str | os.PathLike | None = None, *, force: bool = False) -> P
 
 
 if __name__ == "__main__":
-    print(build(sys.argv[1] if len(sys.argv) > 1 else None, force=True))
+    for prog in PROGRAMS:
+        print(build(sys.argv[1] if len(sys.argv) > 1 else None, force=True, name=prog))

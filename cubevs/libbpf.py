@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+BPF_SK_SKB_STREAM_VERDICT = 5   # enum bpf_attach_type
 BPF_TCX_INGRESS = 46          # enum bpf_attach_type (uapi 6.6); Debian 12 headers predate it
 BPF_TC_INGRESS, BPF_TC_EGRESS = 1, 2   # enum bpf_tc_attach_point
 BPF_TC_F_REPLACE = 1
@@ -82,6 +83,7 @@ def _load_lib() -> ctypes.CDLL:
         "bpf_object__load": (ci, [vp]),
         "bpf_object__close": (None, [vp]),
         "bpf_object__find_program_by_name": (vp, [vp, cs]),
+        "bpf_object__find_map_fd_by_name": (ci, [vp, cs]),
         "bpf_program__fd": (ci, [vp]),
         "bpf_program__pin": (ci, [vp, cs]),
         "bpf_obj_get": (ci, [cs]),
@@ -179,6 +181,46 @@ def load_and_pin_program(obj_path: str | os.PathLike, pin_root: str | os.PathLik
             raise _err(rc, "bpf_program__pin")
     finally:
         L.bpf_object__close(obj)
+
+
+class LoadedObject:
+    """An object loaded and kept open (no pins): its programs and maps live while it does.
+    For per-process datapaths (one per worker) that nothing else needs to find."""
+
+    def __init__(self, obj_path: str | os.PathLike):
+        L = lib()
+        obj = L.bpf_object__open_file(os.fsencode(obj_path), None)
+        if not obj or L.libbpf_get_error(obj):
+            raise BpfError(ctypes.get_errno() or 22, f"bpf_object__open_file({obj_path}) failed")
+        rc = L.bpf_object__load(obj)
+        if rc != 0:
+            L.bpf_object__close(obj)
+            raise _err(rc, "bpf_object__load (verifier log on stderr)")
+        self._obj = obj
+
+    def prog_fd(self, name: str) -> int:
+        prog = lib().bpf_object__find_program_by_name(self._obj, name.encode())
+        if not prog:
+            raise BpfError(ENOENT, f"program {name} not in object")
+        return lib().bpf_program__fd(prog)
+
+    def map_fd(self, name: str) -> int:
+        fd = lib().bpf_object__find_map_fd_by_name(self._obj, name.encode())
+        if fd < 0:
+            raise _err(fd, f"map {name}")
+        return fd
+
+    def close(self) -> None:
+        if self._obj is not None:
+            lib().bpf_object__close(self._obj)
+            self._obj = None
+
+
+def prog_attach(prog_fd: int, target_fd: int, attach_type: int) -> None:
+    """Attach a program to a target fd (a sockmap/sockhash for sk_skb/sk_msg programs)."""
+    rc = lib().bpf_prog_attach(prog_fd, target_fd, attach_type, 0)
+    if rc != 0:
+        raise _err(rc, f"bpf_prog_attach(type {attach_type})")
 
 
 def obj_get(path: str | os.PathLike) -> int:

@@ -411,7 +411,7 @@ class PlainConn(asyncio.Protocol):
         first = bytes(c.buf)
         c.buf.clear()
         self.eof = c.eof
-        self.fp.outcomes.labels("plain_http").inc()
+        self.fp.outcomes("plain_http").inc()
         try:
             if first:
                 self._feed(first)

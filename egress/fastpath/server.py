@@ -29,7 +29,7 @@ from egress.conn_state import ConnState
 from egress.destination import DecisionCache, decide_destination, needs_interception
 from egress.fastpath import heads
 from egress.fastpath.listeners import listen_sockets
-from egress.fastpath.relay import Relay
+from egress.fastpath.relay import Relay, SpliceRelay
 from egress.http_checks import Refusal
 from egress.metrics import LabelCache
 from egress.policy import normalize_host
@@ -44,13 +44,15 @@ FORCED_CLOSE_GRACE = 2.0
 
 class FastPath:
     def __init__(self, *, gate, master, listen_host: str, explicit_port: int | None,
-                 transparent_port: int | None, idle_timeout: float | None, plain_http: bool = True) -> None:
+                 transparent_port: int | None, idle_timeout: float | None, plain_http: bool = True,
+                 splicer=None) -> None:
         self.gate = gate            # the shared pieces: policies, identities, guard, resolver, audit, metrics, claims
         self.master = master        # for the hand-over
         self.listen_host = listen_host
         self.explicit_port = explicit_port
         self.transparent_port = transparent_port
         self.idle_timeout = idle_timeout
+        self.splicer = splicer      # cubevs.splice.Splicer (from the composition root) or None: userspace relay
         self.servers: list[asyncio.base_events.Server] = []
         self.specs: dict[bool, str] = {}           # transparent? → the mitmproxy mode of the hand-over
         self.conns: set[_Conn] = set()
@@ -395,7 +397,11 @@ class FastPath:
         st.kind = "passthrough"
         c.timer_cancel()
         loop = asyncio.get_running_loop()
-        relay = Relay(c.transport, c.count_out, c.count_in, self.idle_timeout)
+        if self.splicer is not None:
+            relay = SpliceRelay(c.transport, c.count_out, c.count_in, self.idle_timeout, self.splicer,
+                                on_spliced=self.outcomes("spliced").inc)
+        else:
+            relay = Relay(c.transport, c.count_out, c.count_in, self.idle_timeout)
         error, timed_out = "no allowed address", False
         deadline = loop.time() + gate.connect_timeout if gate.connect_timeout else None
         transport = connected_ip = None
