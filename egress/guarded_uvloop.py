@@ -44,7 +44,8 @@ def _canonical_ip(host) -> bool:
 
 class NoGuardInstalled(socket.gaierror):
     def __init__(self, host) -> None:
-        super().__init__(socket.EAI_FAIL, f"{host!r}: no guarded resolver installed on this loop (refused)")
+        message = f"{host!r}: no guarded resolver installed on this loop (refused)"
+        super().__init__(socket.EAI_FAIL, message)
 
 
 class GuardedUVLoop(uvloop.Loop):
