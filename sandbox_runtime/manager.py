@@ -633,8 +633,12 @@ class SandboxManager:
         self.state.put(rec)
 
     def set_network(self, sandbox_id: str, network: dict, actor: str) -> dict:
-        """Replace a running sandbox's network options; open connections they now refuse are closed."""
-        rec = self._running(sandbox_id)
+        """Replace a running or paused sandbox's network options; open connections they now refuse
+        are closed. They are the gateway's state, not the sandbox's: a paused sandbox is not woken
+        (no use of it), and resumes under the new options."""
+        rec = self.get_record(sandbox_id)
+        if rec.state not in ("running", "paused") or rec.handle is None:
+            raise Conflict(f"sandbox {sandbox_id!r} is {rec.state}")
         self.hooks.set_network(sandbox_id, network, actor)
         return rec.public()
 

@@ -355,6 +355,31 @@ def test_an_idle_sandbox_is_frozen_and_the_next_exec_resumes_it(rt, lab):
         rm(lab, gw, sid)
 
 
+def test_an_idle_sandbox_can_be_narrowed_while_paused_and_resumes_under_it(rt, lab):
+    """Network options are gateway state: a PUT on an auto-paused sandbox is taken (not 409) and
+    does not wake it; when the next call wakes it, its traffic is under the narrowed options."""
+    gw, _ = rt
+    sid = _sid("np")
+    try:
+        create(lab, gw, sid)
+        assert _reach(lab, gw, sid, "http://api.allowed.test/before") == "200"
+        _wait(lambda: api(lab, gw, "GET", f"/sandboxes/{sid}").json()["state"] == "paused", 30 * IDLE_S + 20,
+              "auto-pause")
+        r = api(lab, gw, "PUT", f"/sandboxes/{sid}/network", json={"deny": ["api.allowed.test"]})
+        assert r.status_code == 200, r.text
+        got = api(lab, gw, "GET", f"/sandboxes/{sid}").json()
+        assert got["state"] == "paused" and got["paused_by"] == "idle", got      # not woken by the change
+        assert _freezer_state(sid) == "FROZEN"
+        api_ip = lab.hosts["api.allowed.test"]                     # refused by the gateway, not only by DNS
+        pinned = f"--resolve api.allowed.test:80:{api_ip} http://api.allowed.test/after-pause"
+        assert _reach(lab, gw, sid, pinned) == "403"               # this exec wakes it
+        rec = gw.wait_record(lambda x: x.get("sandbox") == sid and x.get("path") == "/after-pause", timeout=10)
+        assert rec["decision"] == "deny" and rec["reason"] == "sandbox_network_deny", rec
+        assert _reach(lab, gw, sid, "http://echo.allowed.test/still") == "200"   # only what was denied
+    finally:
+        rm(lab, gw, sid)
+
+
 def test_traffic_keeps_a_sandbox_awake(rt, lab):
     """One exec runs a loop of requests far longer than the idle time; while it runs the call
     itself is in flight — so the loop is started in the background, and the exec returns."""
