@@ -11,15 +11,18 @@ from egress.audit.segments import CURRENT_NAME
 
 from ._util import rec
 
-NOW = datetime.now(timezone.utc)
-
-
-def ago(**kw):
-    return format_ts(NOW - timedelta(**kw))
+@pytest.fixture
+def now():
+    """Taken when the test starts, not at import: relative filters ("2h") are read against the
+    clock, and a long session reaches a test minutes after this module was imported."""
+    return datetime.now(timezone.utc)
 
 
 @pytest.fixture
-def populated(audit_dir):
+def populated(audit_dir, now):
+    def ago(**kw):
+        return format_ts(now - timedelta(**kw))
+
     records = [
         rec(ts=ago(days=3), sandbox="a", host="api.openai.com", decision="allow", reason="rule_match"),
         rec(ts=ago(hours=5), sandbox="a", host="evil.com", decision="deny", reason="no_rule", rule=None),
@@ -62,13 +65,13 @@ def test_host_exact_and_suffix(populated):
         idx.query(host="git*.com")
 
 
-def test_time_filters_relative_and_rfc3339(populated):
+def test_time_filters_relative_and_rfc3339(populated, now):
     idx, R = populated
     assert ids(idx.query(since="2h", order="asc")) == ids(R[2:])
     assert ids(idx.query(since="15m", order="asc")) == ids(R[3:])
     assert ids(idx.query(since="1d", until="30m", order="asc")) == ids([R[1], R[2]])
-    since = (NOW - timedelta(hours=6)).isoformat()
-    until = format_ts(NOW - timedelta(hours=4))
+    since = (now - timedelta(hours=6)).isoformat()
+    until = format_ts(now - timedelta(hours=4))
     assert ids(idx.query(since=since, until=until)) == ids([R[1]])
     assert ids(idx.query(until=R[0]["ts"])) == ids([R[0]])   # bounds are inclusive
     for bad in ("yesterday", "2024-01-01T00:00:00", "5y"):
