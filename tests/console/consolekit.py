@@ -42,7 +42,7 @@ class ConsoleDaemon:
         self.state = self.dir / "state"
         self.tokens = make_vault(self.state)
         proxy, ops, api, policy_api, port = free_ports(5)
-        self.port = port
+        self.port, self.ops_port = port, ops
         settings = {"state_dir": str(self.state), "policy_dir": str(self.dir / "policies"),
                     "proxy": {"explicit_port": proxy}, "ops": {"port": ops}, "vault": {"api_port": api},
                     "policy_api": {"port": policy_api},
@@ -71,6 +71,20 @@ class ConsoleDaemon:
                 pass
             time.sleep(0.2)
         raise AssertionError(f"console not up after {timeout}s: {self.log()}")
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Until the daemon's /readyz says ready (its workers started: under load they take a while)."""
+        deadline, last = time.monotonic() + timeout, None
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{self.ops_port}/readyz", timeout=2, trust_env=False)
+                if r.status_code == 200:
+                    return
+                last = r.text
+            except httpx.HTTPError as e:
+                last = repr(e)
+            time.sleep(0.1)
+        raise AssertionError(f"not ready after {timeout}s: {last}")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
