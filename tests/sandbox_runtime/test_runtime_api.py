@@ -394,12 +394,17 @@ def test_microvm_sandbox_through_the_daemon(rt, lab):
     try:
         # While it is being created, a destroy is refused (the create undoes itself on failure);
         # it must not leave a "running" record without network or identity behind.
-        for _ in range(200):
+        # Polled until the record shows or the create returns (under load its first look can
+        # come late): 404 is all a GET may say before the record exists.
+        seen, deadline = None, time.monotonic() + 120
+        while seen is None and creator.is_alive() and time.monotonic() < deadline:
             r = api(lab, gw, "GET", "/sandboxes/vm-api")
             if r.status_code == 200:
-                break
-            time.sleep(0.01)
-        if r.json()["state"] == "creating":
+                seen = r.json()
+            else:
+                assert r.status_code == 404, r.text
+                time.sleep(0.01)
+        if seen is not None and seen["state"] == "creating":
             assert api(lab, gw, "DELETE", "/sandboxes/vm-api").status_code == 409
     finally:
         creator.join(120)
