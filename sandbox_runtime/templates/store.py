@@ -2,9 +2,10 @@
 
 A name resolves through its definition's key, so changing a definition (or the
 recipe) makes a new key and an old build is never used by mistake; `ls` shows
-what is built and whether it is still current; `rm` refuses a template that a
-live sandbox has mounted (removing an overlay's lower layer under it is
-undefined behaviour in the kernel).
+what is built and whether it is still current; `rm` (and a forced rebuild) refuses a
+template that a live sandbox uses: a namespace sandbox has its rootfs mounted as an
+overlay's lower layer (removing it under the mount is undefined behaviour in the kernel),
+a microVM's qemu holds its disk image (vmdisk, in the template's directory) open.
 """
 from __future__ import annotations
 
@@ -50,6 +51,33 @@ def overlay_lowerdirs(mountinfo: str) -> set[str]:
     return out
 
 
+def held_open_under(targets: set[str], root: Path) -> bool:
+    """Whether any of the open-file paths `targets` (readlink of /proc/*/fd/*) lies under `root`."""
+    prefix = str(root).rstrip("/") + "/"
+    return any(t.startswith(prefix) for t in targets)
+
+
+def open_file_targets(proc: Path = Path("/proc")) -> set[str] | None:
+    """The paths every process holds open; None when some process's files cannot be read
+    (not root): the caller cannot tell, and fails closed."""
+    out = set()
+    for pid in proc.iterdir():
+        if not pid.name.isdigit():
+            continue
+        try:
+            fds = list((pid / "fd").iterdir())
+        except PermissionError:
+            return None
+        except OSError:
+            continue            # exited meanwhile
+        for fd in fds:
+            try:
+                out.add(str(fd.readlink()))
+            except OSError:
+                continue        # closed meanwhile
+    return out
+
+
 class TemplateStore:
     def __init__(self, cache_dir: str | Path, defs_dir: Path = definitions.DEFS_DIR):
         self.cache_dir = Path(cache_dir)
@@ -87,7 +115,7 @@ class TemplateStore:
         with self._lock(d.key):
             if self._manifest(d.key) is not None and not force:
                 return self.resolve(name)
-            if force and self._in_use(self.cache_dir / d.key / "rootfs"):
+            if force and self._in_use(self.cache_dir / d.key):
                 raise TemplateError(f"template {name!r} is in use by a running sandbox; not rebuilt")
             _build(d, self.cache_dir, progress=progress)
         return self.resolve(name)
@@ -109,7 +137,7 @@ class TemplateStore:
             rows.append({"name": m.get("name"), "key": key, "built": True, "current": key in current,
                          "size_bytes": m.get("size_bytes"), "packages": len(m.get("installed", {})),
                          "build_seconds": m.get("build_seconds"), "image_sha256": m.get("image_sha256"),
-                         "in_use": self._in_use(mf.parent / "rootfs")})
+                         "in_use": self._in_use(mf.parent)})
         built = {r["key"] for r in rows}
         rows += [{"name": n, "key": key, "built": False, "current": True}
                  for key, n in current.items() if key not in built]
@@ -119,9 +147,10 @@ class TemplateStore:
         """Remove every build of `name` (current and stale); returns the removed keys."""
         keys = [mf.parent.name for mf in self.cache_dir.glob("*/manifest.json")
                 if (self._manifest(mf.parent.name) or {}).get("name") == name]
-        busy = [k for k in keys if self._in_use(self.cache_dir / k / "rootfs")]
+        busy = [k for k in keys if self._in_use(self.cache_dir / k)]
         if busy:
-            raise TemplateError(f"template {name!r} is in use by running sandbox(es); destroy them first")
+            raise TemplateError(f"template {name!r} is in use by running sandbox(es) (a namespace sandbox's "
+                                f"mount or a microVM's disk image); destroy them first")
         for k in keys:
             with self._lock(k):
                 shutil.rmtree(self.cache_dir / k)
@@ -129,9 +158,14 @@ class TemplateStore:
         return keys
 
     @staticmethod
-    def _in_use(rootfs: Path) -> bool:
+    def _in_use(template_dir: Path) -> bool:
+        """A namespace sandbox's overlay on its rootfs, or a process (a microVM's qemu) holding
+        a file of it open (its disk image). Cannot tell: in use (fail closed, do not delete)."""
         try:
             text = Path("/proc/self/mountinfo").read_text()
         except OSError:
-            return True      # cannot tell: fail closed (do not delete)
-        return str(rootfs) in overlay_lowerdirs(text)
+            return True
+        if str(template_dir / "rootfs") in overlay_lowerdirs(text):
+            return True
+        targets = open_file_targets()
+        return targets is None or held_open_under(targets, template_dir)

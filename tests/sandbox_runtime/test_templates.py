@@ -22,7 +22,7 @@ from sandbox_runtime.backend import Limits, SandboxError, SandboxSpec
 from sandbox_runtime.templates import TemplateError, TemplateStore, definitions, trust
 from sandbox_runtime.templates.build import parse_dpkg_status
 from sandbox_runtime.templates.progress import Progress, phase_of
-from sandbox_runtime.templates.store import overlay_lowerdirs
+from sandbox_runtime.templates.store import held_open_under, overlay_lowerdirs
 
 CACHE = Path(os.environ.get("CUBEGATE_TEMPLATE_CACHE", "/var/cache/cubegate/templates"))
 TPORT = 18078            # differs from the other transparent tests (18074-18077)
@@ -91,6 +91,36 @@ def test_overlay_lower_dirs_are_read_from_mountinfo():
             "workdir=/s/a/rw/work,volatile\n"
             "91 36 0:51 / /x rw - overlay overlay rw,lowerdir=/l1:/l\\0402,upperdir=/u,workdir=/w\n")
     assert overlay_lowerdirs(info) == {"/c/k1/rootfs", "/l1", "/l 2"}
+
+
+def test_open_files_count_only_under_the_template_directory():
+    held = {"/c/k1x/rootfs.1.ext4", "/c/k2/rootfs/etc/passwd", "socket:[123]"}
+    assert not held_open_under(held, Path("/c/k1"))          # a sibling sharing the prefix is not it
+    assert held_open_under(held, Path("/c/k2"))
+    assert held_open_under({"/c/k1/rootfs.1.ext4"}, Path("/c/k1/"))
+
+
+def test_a_template_whose_disk_image_a_process_holds_is_not_removed(tmp_path):
+    """A microVM's qemu holds its template's disk image open (no mount on the host shows it):
+    a real process holding the image stands for it; rm refuses until it is gone."""
+    from sandbox_runtime import vmdisk
+    key_dir = tmp_path / "k1"
+    (key_dir / "rootfs").mkdir(parents=True)
+    (key_dir / "manifest.json").write_text(json.dumps({"name": "vmtpl"}))
+    img = vmdisk.image_path(key_dir)
+    img.write_bytes(b"\0" * 4096)
+    store = TemplateStore(tmp_path, defs_dir=tmp_path / "no-defs")
+    with open(img, "rb") as disk:
+        holder = subprocess.Popen(["sleep", "60"], stdin=disk)
+    try:
+        assert [r["in_use"] for r in store.list() if r["key"] == "k1"] == [True]
+        with pytest.raises(TemplateError, match="in use"):
+            store.remove("vmtpl")
+        assert img.exists()
+    finally:
+        holder.kill()
+        holder.wait(10)
+    assert store.remove("vmtpl") == ["k1"] and not key_dir.exists()
 
 
 def test_trust_stores_get_every_gateway_ca():
