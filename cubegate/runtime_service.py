@@ -79,6 +79,10 @@ class RuntimeService:
             self.manager.pool.stop()      # unclaimed slots are removed (the next start would anyway)
         self.manager.state.close()
         self.switch.close()   # sandboxes, pins and rules stay: they outlive the daemon
+        for b in self.manager.backends.values():
+            close = getattr(b, "close", None)
+            if close is not None:
+                close()       # its connections; the namespace backend its roots dir if nothing is left
 
 
 async def start_for(daemon) -> RuntimeService | None:

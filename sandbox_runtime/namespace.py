@@ -26,6 +26,7 @@ Choices:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -37,7 +38,7 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
-from sandbox_runtime import etcdir, ids, phases, seccomp
+from sandbox_runtime import etcdir, ids, phases, roots, seccomp
 from sandbox_runtime.agent.client import AgentClient, AgentError, unix_connector
 from sandbox_runtime.backend import ExecResult, Handle, NotSupported, SandboxError, SandboxSpec
 from sandbox_runtime.build_agent import BINARY as AGENT_BINARY
@@ -46,6 +47,8 @@ from sandbox_runtime.templates import rootfs as tpl_rootfs
 from sandbox_runtime.templates import trust as tpl_trust
 from sandbox_runtime.templates.store import TemplateError, TemplateStore
 from sandbox_runtime.uids import sandbox_uid
+
+log = logging.getLogger("cubegate.runtime.namespace")
 
 BWRAP = "/usr/bin/bwrap"
 NSENTER = shutil.which("nsenter") or "/usr/bin/nsenter"
@@ -238,6 +241,7 @@ class NamespaceBackend:
         self.instance = ids.instance_name(self.state_dir)   # host-wide names are per runtime instance
         # template overlays: <roots_dir>/<sandbox id>/{rw,root}
         self.roots_dir = Path(roots_dir) if roots_dir else tpl_rootfs.ROOTS_DIR / self.instance
+        self._roots_lock = self._claim_roots(prune=roots_dir is None)
         self.templates = templates      # None: only template-less sandboxes (the host's /usr)
         self.ca_bundle = Path(ca_bundle) if ca_bundle else None
         self.host_uid = host_uid    # None: one uid per sandbox (uids.sandbox_uid)
@@ -248,6 +252,27 @@ class NamespaceBackend:
         self._etc_dirs: dict[str, tuple[tuple, Path]] = {}    # gateway ip -> (source signature, dir)
         self._etc_lock = threading.Lock()
         self._usr_links = _usr_links()
+
+    def _claim_roots(self, *, prune: bool):
+        """Mark our roots dir live and remove those of dead instances (only under the host-wide
+        default: a caller's own roots_dir has no siblings of ours)."""
+        if os.geteuid() != 0:
+            return None                 # not usable without root anyway (available() says why)
+        try:
+            lock = roots.claim(self.roots_dir, self.state_dir)
+            if prune:
+                roots.prune_orphans(self.roots_dir.parent, keep=self.roots_dir)
+            return lock
+        except OSError as e:
+            log.warning("namespace: roots dir %s: %s", self.roots_dir, e)
+            return None
+
+    def close(self) -> None:
+        """Daemon shutdown: sandboxes keep running (the next daemon adopts them); with none
+        left, this instance's roots dir is removed."""
+        lock, self._roots_lock = self._roots_lock, None
+        if lock is not None:
+            roots.release(self.roots_dir, lock, sandboxes_left=bool(self.list()))
 
     # ------------------------------------------------------------ probing
     def available(self) -> tuple[bool, str]:
