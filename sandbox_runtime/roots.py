@@ -54,7 +54,7 @@ def _flock(d: Path, mode: int) -> IO | None:
     while True:
         d.mkdir(parents=True, exist_ok=True)
         try:
-            f = open(d / LOCK_NAME, "a+")
+            f = os.fdopen(os.open(d / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600), "a+")
         except FileNotFoundError:
             continue                    # the directory was removed between the two steps
         try:

@@ -35,7 +35,8 @@ def backend(tmp_path_factory, agent_binary):
     ok, why = b.available()
     if not ok:
         pytest.skip(why)
-    return b
+    yield b
+    b.close()           # its roots dir under /run goes with it
 
 
 @contextmanager
@@ -393,6 +394,7 @@ def nslab(lab, tmp_path_factory, agent_binary):
             yield gw, sw, net, b, h
         finally:
             b.destroy(h)
+            b.close()
 
 
 def test_allowed_https_goes_through_the_gateway(nslab):
