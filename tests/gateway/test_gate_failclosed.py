@@ -1,0 +1,288 @@
+"""Fail closed on our own bugs: any exception in a gate hook refuses its flow or connection.
+
+egress/hook_guard.py wraps every hook of PolicyGate; PolicyGate.hook_failed refuses (a 503/502
+in the deny shape where an answer can still be sent, else a reset), audits and counts
+`internal_error`, and logs the exception's class and frames, never its text. Each unit test
+makes one hook raise, with a secret in the exception's message, and reads what the sandbox,
+the upstream side and the operator would see. The lab test makes a real part fail in a running
+gateway (its identity database overwritten under it) and shows the upstream never got the request.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from mitmproxy import http, tls
+from mitmproxy.proxy import layers, server_hooks
+from mitmproxy.proxy.context import Context
+from mitmproxy.proxy.layer import NextLayer
+from mitmproxy.test import tflow
+
+from egress import hook_guard
+from egress.gate import PolicyGate
+from tests.gateway.test_gate_units import (Parts, connect_flow, connected, deny_doc, hello, inner_request,  # noqa: F401
+                                           nameserver, parts, run, tunnel)
+
+LEAKED = "sk-live-exception-text-7f3a9c2e"   # what a buggy part's exception message might quote
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def breaks(obj, name: str, monkeypatch) -> None:
+    """From now on obj.name raises, its message carrying a secret."""
+    def boom(*a, **k):
+        raise Boom(f"failed on {LEAKED}")
+    monkeypatch.setattr(obj, name, boom)
+
+
+def failure_records(p: Parts, hook: str) -> list[dict]:
+    return [r for r in p.records() if r.get("reason") == "internal_error" and r["extra"]["hook"] == hook]
+
+
+def assert_refused(p: Parts, hook: str, caplog, error: str = "Boom") -> dict:
+    recs = failure_records(p, hook)
+    assert len(recs) == 1, p.records()
+    rec = recs[0]
+    assert rec["decision"] == "deny" and rec["extra"] == {"hook": hook, "error": error}
+    assert LEAKED not in (p.audit_dir / "audit-current.jsonl").read_text()
+    assert LEAKED not in caplog.text and f"gate hook {hook} raised {error}" in caplog.text
+    assert sum(p.metrics.registry.get_sample_value(
+        "cubegate_decisions_total", {"sandbox": sb, "action": "deny", "reason": "internal_error",
+                                     "stage": "internal"}) or 0 for sb in ("sb-1", "-")) == 1
+    return rec
+
+
+@pytest.fixture(autouse=True)
+def _log(caplog):
+    caplog.set_level(logging.INFO)
+
+
+# ------------------------------------------------------------ the guard itself
+def test_every_hook_the_gate_implements_fails_closed():
+    names = hook_guard.hook_names(PolicyGate)
+    assert {"requestheaders", "request", "responseheaders", "response", "next_layer", "tls_clienthello",
+            "server_connect", "websocket_message", "error"} <= set(names)
+    assert hook_guard.guarded(PolicyGate)
+    assert set(names) == set(CASES), "a gate hook without a fail-closed test"
+
+
+def test_a_class_without_hook_failed_cannot_be_guarded():
+    class Addon:
+        def request(self, flow):
+            pass
+    with pytest.raises(TypeError):
+        hook_guard.fail_closed(Addon)
+
+
+def test_the_log_line_names_frames_not_the_message():
+    try:
+        raise Boom(LEAKED)
+    except Boom as e:
+        text = hook_guard.where(e)
+    assert "test_the_log_line_names_frames_not_the_message" in text and LEAKED not in text
+
+
+# ------------------------------------------------------------ each hook
+def case_client_connected(p, monkeypatch, tctx):
+    breaks(p.gate, "_wrap_reader", monkeypatch)
+    client = connected(p)
+    assert client.error          # mitmproxy closes it before reading a byte
+    return p.gate.conns[client.id]
+
+
+async def case_http_connect(p, monkeypatch, tctx):
+    client = connected(p)
+    p.gate.identities.close()    # a real failure: the identity database is gone under the gate
+    f = connect_flow(client, "api.allowed.test", auth=p.auth())
+    await p.gate.http_connect(f)
+    assert f.response.status_code == 503 and deny_doc(f)["reason"] == "internal_error"
+    return p.gate.conns[client.id]
+
+
+async def case_requestheaders(p, monkeypatch, tctx):
+    client, _ = await tunnel(p, tctx, "api.allowed.test")
+    breaks(p.gate.credentials, "on_request", monkeypatch)
+    f = inner_request(client, "api.allowed.test")
+    await p.gate.requestheaders(f)
+    assert f.response.status_code == 503 and deny_doc(f)["reason"] == "internal_error"
+    assert "Authorization" not in f.request.headers      # nothing was injected, nothing goes upstream
+    return p.gate.conns[client.id]
+
+
+async def case_request(p, monkeypatch, tctx):
+    client, _ = await tunnel(p, tctx, "api.allowed.test")
+    f = inner_request(client, "api.allowed.test")
+    await p.gate.requestheaders(f)
+    assert f.response is None
+    breaks(p.gate, "_arm_upstream_timer", monkeypatch)
+    await p.gate.request(f)
+    assert f.response.status_code == 503 and deny_doc(f)["reason"] == "internal_error"
+    return p.gate.conns[client.id]
+
+
+async def _answered(p, tctx, **resp):
+    client, _ = await tunnel(p, tctx, "api.allowed.test")
+    f = inner_request(client, "api.allowed.test")
+    await p.gate.requestheaders(f)
+    await p.gate.request(f)
+    f.response = http.Response.make(200, f"upstream body {p.gate.credentials}".encode(), resp or {})
+    return client, f
+
+
+async def case_responseheaders(p, monkeypatch, tctx):
+    client, f = await _answered(p, tctx)
+    breaks(p.gate.credentials, "injected_forms", monkeypatch)    # the scrub cannot be set up
+    p.gate.responseheaders(f)
+    assert f.response.status_code == 502 and deny_doc(f)["reason"] == "internal_error"
+    assert f.response.stream is not True                          # the upstream's body is dropped, ours sent
+    await p.gate.response(f)
+    assert json.loads(f.response.raw_content)["reason"] == "internal_error"
+    return p.gate.conns[client.id]
+
+
+async def case_response(p, monkeypatch, tctx):
+    client, f = await _answered(p, tctx)
+    f.response.trailers = http.Headers(x_t=b"1")
+    breaks(p.gate.credentials, "scrub_trailers", monkeypatch)    # the trailer scrub fails
+    await p.gate.response(f)
+    assert f.response.status_code == 502 and deny_doc(f)["reason"] == "internal_error"
+    assert f.response.trailers is None
+    return p.gate.conns[client.id]
+
+
+async def case_error(p, monkeypatch, tctx):
+    client, f = await _answered(p, tctx)
+    breaks(p.gate, "_refused_answered", monkeypatch)
+    f.error = tflow.terr()
+    p.gate.error(f)
+    return p.gate.conns[client.id]
+
+
+async def case_websocket_message(p, monkeypatch, tctx):
+    client, _ = await tunnel(p, tctx, "api.allowed.test")
+    f = tflow.twebsocketflow()
+    f.client_conn = client
+    f.websocket.messages = f.websocket.messages[:1]
+    assert f.websocket.messages[-1].from_client
+    breaks(p.gate.credentials, "request_needles", monkeypatch)   # the outbound leak check fails
+    p.gate.websocket_message(f)
+    assert f.websocket.messages[-1].dropped                         # never relayed
+    return p.gate.conns[client.id]
+
+
+async def case_next_layer(p, monkeypatch, tctx):
+    client = connected(p, transparent=True)
+    st = p.gate.conns[client.id]
+    ctx_ = Context(client, tctx.options)
+    ctx_.server.address = ("198.18.0.10", 443)
+    nl = NextLayer(ctx_)
+    nl.layer = layers.TCPLayer(ctx_)
+    breaks(p.gate, "_kill_client", monkeypatch)     # raw TCP on 443 is refused, and the refusal fails
+    p.gate.next_layer(nl)
+    return st
+
+
+async def case_tls_clienthello(p, monkeypatch, tctx):
+    client = connected(p, transparent=True)
+    breaks(p.gate, "_destination", monkeypatch)
+    data = hello(tctx, client, "api.allowed.test")
+    await p.gate.tls_clienthello(data)
+    assert not data.ignore_connection
+    st = p.gate.conns[client.id]
+    # and the upstream is never dialled
+    sd = server_hooks.ServerConnectionHookData(server=data.context.server, client=client)
+    data.context.server.address = ("198.18.0.10", 443)
+    p.gate.server_connect(sd)
+    assert sd.server.error
+    return st
+
+
+async def case_tls_start_client(p, monkeypatch, tctx):
+    client = connected(p)
+    p.gate.conns[client.id].kind = "denied"
+    breaks(p.gate, "_kill_client", monkeypatch)      # the refusal itself fails
+    p.gate.tls_start_client(tls.TlsData(client, Context(client, tctx.options)))
+    return p.gate.conns[client.id]
+
+
+async def _server_hook(p, tctx):
+    client, data = await tunnel(p, tctx, "other.allowed.test")
+    server = data.context.server
+    server.address = ("other.allowed.test", 443)
+    return client, server_hooks.ServerConnectionHookData(server=server, client=client)
+
+
+async def case_server_connect(p, monkeypatch, tctx):
+    client, sd = await _server_hook(p, tctx)
+    breaks(p.gate, "_claim_upstream", monkeypatch)
+    p.gate.server_connect(sd)
+    assert sd.server.error == "cubegate: internal error"    # mitmproxy does not dial
+    return p.gate.conns[client.id]
+
+
+async def case_server_connected(p, monkeypatch, tctx):
+    client, sd = await _server_hook(p, tctx)
+    sd.server.peername = ("198.18.0.11", 443)
+    breaks(p.gate, "_wrap_reader", monkeypatch)
+    p.gate.server_connected(sd)
+    return p.gate.conns[client.id]
+
+
+async def case_server_connect_error(p, monkeypatch, tctx):
+    client, sd = await _server_hook(p, tctx)
+    breaks(p.gate, "_connect_done", monkeypatch)
+    p.gate.server_connect_error(sd)
+    return p.gate.conns[client.id]
+
+
+async def case_server_disconnected(p, monkeypatch, tctx):
+    client, sd = await _server_hook(p, tctx)
+    breaks(p.gate, "_release_upstream", monkeypatch)
+    p.gate.server_disconnected(sd)
+    return p.gate.conns[client.id]
+
+
+async def case_client_disconnected(p, monkeypatch, tctx):
+    client, _ = await tunnel(p, tctx, "other.allowed.test")
+    breaks(p.gate, "_release_connection", monkeypatch)
+    p.gate.client_disconnected(client)
+    assert client.id not in p.gate.conns
+    return None
+
+
+CASES = {name[len("case_"):]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}
+
+
+@pytest.mark.parametrize("hook", sorted(CASES))
+def test_an_exception_in_the_hook_refuses_audits_and_counts_internal_error(parts, monkeypatch, caplog, hook):
+    async def scenario(tctx):
+        out = CASES[hook](parts, monkeypatch, tctx)
+        return await out if hasattr(out, "__await__") else out
+    st = run(parts, scenario)
+    error = "ProgrammingError" if hook == "http_connect" else "Boom"
+    rec = assert_refused(parts, hook, caplog, error)
+    if st is not None:
+        assert (st.kind, st.denied_reason) == ("denied", "internal_error")
+        assert rec["conn_id"] == st.conn_id
+    if hook in ("http_connect", "requestheaders", "request"):
+        assert rec["status"] == 503
+    elif hook in ("responseheaders", "response"):
+        assert rec["status"] == 502
+    else:
+        assert rec.get("status") is None
+
+
+def test_a_streamed_response_whose_hook_fails_is_cut_not_completed(parts, monkeypatch, caplog):
+    async def scenario(tctx):
+        client, f = await _answered(parts, tctx)
+        f.response.stream = True                 # its body is with the sandbox already: only a reset is left
+        f.response.trailers = http.Headers(x_t=b"1")
+        breaks(parts.gate.credentials, "scrub_trailers", monkeypatch)
+        await parts.gate.response(f)
+        return f
+    f = run(parts, scenario)
+    assert f.error is not None and f.response.status_code == 200    # killed: the trailers never go
+    assert assert_refused(parts, "response", caplog).get("status") is None
