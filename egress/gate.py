@@ -505,7 +505,7 @@ class PolicyGate:
         st.decision = decision
         self.metrics.decision_latency.labels("connect").observe(time.perf_counter() - t0)
         if refusal is None and decision.action != "allow":
-            refusal = Refusal(403, decision.reason, _explain(decision))
+            refusal = records.policy_refusal(decision)
         if refusal is not None:
             st.kind, st.denied_reason = "denied", refusal.reason
             fields = self._decision_fields(decision) if decision else {}
@@ -570,7 +570,7 @@ class PolicyGate:
                 decision, refusal = await self._destination(st, sni, st.port or 443, scheme=None, method=None, path=None)
                 st.decision = decision
                 if refusal is None and decision.action != "allow":
-                    refusal = Refusal(403, decision.reason, _explain(decision))
+                    refusal = records.policy_refusal(decision)
                 if refusal is None:
                     st.intercept = needs_interception(decision, self.credentials, st.host, st.port)
                     # Connect to the name the sandbox asked for, resolved by us, never to its chosen IP.
@@ -689,7 +689,7 @@ class PolicyGate:
                     st.kind = "http"
         _drop_headers(flow.request.headers, PROXY_ONLY_HEADERS)
         if refusal is None and decision is not None and decision.action != "allow":
-            refusal = Refusal(403, decision.reason, _explain(decision))
+            refusal = records.policy_refusal(decision)
         injected = None
         if refusal is None and decision is not None:
             st.decision = decision  # the request-level decision (tenant, rule) is the one in force
@@ -1134,6 +1134,7 @@ class PolicyGate:
             # Should be impossible (the resolver filtered it); close rather than trust.
             st.kind, st.denied_reason = "denied", f"ssrf_{reason}"
             self._audit("decision", st, decision="deny", reason=f"ssrf_{reason}", upstream=st.upstream)
+            self._count(st, "deny", f"ssrf_{reason}", "upstream")
             self._kill_client(data.client)
             return
         self._wrap_reader(data.server, "in", st)
@@ -1151,7 +1152,8 @@ class PolicyGate:
         if timed_out:
             reason, err = "upstream_connect_timeout", f"no TCP connection within {self.connect_timeout}s"
         st.denied_reason = st.denied_reason or reason
-        self._audit("decision", st, decision="deny", reason=reason, extra={"error": err[:300]})
+        self._audit("decision", st, decision="deny", reason=reason, extra={"error": err[:300]},
+                    status=502 if reason.startswith("upstream_") else None)
         self._count(st, "deny", reason, "upstream")
 
 

@@ -253,7 +253,7 @@ class FastPath:
         if c.lost:
             return
         if refusal is None and decision.action != "allow":
-            refusal = Refusal(403, decision.reason, records.explain(decision))
+            refusal = records.policy_refusal(decision)
         if refusal is not None:
             fields = records.decision_fields(decision) if decision else {}
             fields.update(decision="deny", reason=refusal.reason, status=refusal.status)
@@ -371,7 +371,7 @@ class FastPath:
         if c.lost:
             return
         if refusal is None and decision.action != "allow":
-            refusal = Refusal(403, decision.reason, records.explain(decision))
+            refusal = records.policy_refusal(decision)
         if refusal is not None:
             st.decision = decision
             self._refuse(c, refusal.reason, stage="sni", status=refusal.status)
@@ -422,7 +422,7 @@ class FastPath:
         if transport is None:
             reason = "upstream_connect_timeout" if timed_out else "upstream_connect_failed"
             st.denied_reason = st.denied_reason or reason
-            self._audit("decision", st, decision="deny", reason=reason, extra={"error": error})
+            self._audit("decision", st, decision="deny", reason=reason, status=502, extra={"error": error})
             self._count(st, "deny", reason, "upstream")
             c.finish(None)
             return
