@@ -242,7 +242,7 @@ def install_head_limit(limit: int) -> None:
                     if self.stream_id is not None:
                         yield ReceiveHttp(ResponseProtocolError(self.stream_id, "upstream response head too large",
                                                                 ErrorCode.GENERIC_SERVER_ERROR))
-                self.buf.clear()
+                self.buf = type(self.buf)()   # h11's ReceiveBuffer has no clear(): a new, empty one
                 return
             yield from original(self, event)
         read_headers._cubegate_limit = limit

@@ -286,3 +286,88 @@ def test_a_streamed_response_whose_hook_fails_is_cut_not_completed(parts, monkey
     f = run(parts, scenario)
     assert f.error is not None and f.response.status_code == 200    # killed: the trailers never go
     assert assert_refused(parts, "response", caplog).get("status") is None
+
+
+# ------------------------------------------------------------ one deny shape
+def _sent_by_http1_server(tctx, data: bytes) -> bytes:
+    """What mitmproxy's HTTP/1 server side (with our patches) writes back for `data`."""
+    from mitmproxy.proxy import commands, events
+    from mitmproxy.proxy.layers.http import _http1
+    client = tflow.tclient_conn()
+    layer = _http1.Http1Server(Context(client, tctx.options))
+    out = b""
+    for ev in (events.Start(), events.DataReceived(client, data)):
+        for cmd in layer.handle_event(ev):
+            if isinstance(cmd, commands.SendData):
+                out += cmd.data
+    return out
+
+
+def _deny_shape(raw: bytes) -> tuple[int, dict]:
+    from mitmproxy.net.http.http1 import read_response_head
+    head, _, body = raw.partition(b"\r\n\r\n")
+    resp = read_response_head(head.split(b"\r\n"))
+    assert resp.headers["Content-Type"] == "application/json" and resp.headers["Connection"] == "close"
+    doc = json.loads(body)
+    assert doc["error"] == "refused_by_cubegate" and resp.headers["X-Cubegate-Reason"] == doc["reason"]
+    assert int(resp.headers["Content-Length"]) == len(body)
+    return resp.status_code, doc
+
+
+def test_refusals_mitmproxy_sends_for_us_are_the_gates_deny_shape(parts):
+    from egress import mitm_internals
+    previous = mitm_internals.head_limit_installed()
+    mitm_internals.install_trailer_refusal()
+    mitm_internals.install_safe_error_pages()
+    mitm_internals.install_head_limit(1024)
+    try:
+        async def scenario(tctx):
+            trailers = _sent_by_http1_server(tctx, b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                                   b"1\r\nx\r\n0\r\nX-T: " + LEAKED.encode() + b"\r\n\r\n")
+            big = _sent_by_http1_server(tctx, b"GET / HTTP/1.1\r\nX: " + b"a" * 4000)
+            garbage = _sent_by_http1_server(tctx, b"GET / HTTP/1.1\r\nBad Header " + LEAKED.encode() + b"\r\n\r\n")
+            return trailers, big, garbage
+        trailers, big, garbage = run(parts, scenario)
+    finally:
+        if previous:
+            mitm_internals.install_head_limit(previous)
+    assert _deny_shape(trailers)[0] == 400 and _deny_shape(trailers)[1]["reason"] == "trailers_refused"
+    assert _deny_shape(big)[0] == 431 and _deny_shape(big)[1]["reason"] == "head_too_large"
+    status, doc = _deny_shape(garbage)   # mitmproxy's own error answer, never quoting what was sent
+    assert status == 400 and doc["reason"] == "relay_failed"
+    assert all(LEAKED.encode() not in raw for raw in (trailers, big, garbage))
+
+
+# ------------------------------------------------------------ consistency
+def test_ssrf_refusal_at_server_connected_is_counted(parts):
+    async def scenario(tctx):
+        client, sd = await _server_hook(parts, tctx)
+        sd.server.peername = ("10.1.2.3", 443)     # dialled a private address after all
+        parts.gate.server_connected(sd)
+        return parts.gate.conns[client.id]
+    st = run(parts, scenario)
+    assert st.denied_reason == "ssrf_private"
+    assert parts.records()[-1]["reason"] == "ssrf_private"
+    assert parts.counted("deny", "ssrf_private", "upstream") == 1
+
+
+def test_upstream_failure_records_carry_their_status(parts):
+    async def scenario(tctx):
+        client, sd = await _server_hook(parts, tctx)
+        sd.server.error = "Connection refused"
+        parts.gate.server_connect_error(sd)
+    run(parts, scenario)
+    rec = parts.records()[-1]
+    assert (rec["reason"], rec["status"]) == ("upstream_connect_failed", 502)
+
+
+def test_invalid_host_is_400_as_a_policy_decision_too():
+    from egress import records
+    from egress.policy import Decision
+    from egress.reasons import REASONS
+    def decision(reason):
+        return Decision(action="deny", reason=reason, rule=None, policy=None, mode="enforce", would_deny=False,
+                        needs_inspection=False, tenant=None)
+    assert records.policy_refusal(decision("invalid_host")).status == 400
+    assert REASONS["invalid_host"].status == (400,)
+    assert records.policy_refusal(decision("rule_deny")).status == 403
