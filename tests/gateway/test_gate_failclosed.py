@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 
 import pytest
 from mitmproxy import http, tls
@@ -371,3 +373,73 @@ def test_invalid_host_is_400_as_a_policy_decision_too():
     assert records.policy_refusal(decision("invalid_host")).status == 400
     assert REASONS["invalid_host"].status == (400,)
     assert records.policy_refusal(decision("rule_deny")).status == 403
+
+
+# ------------------------------------------------------------ a real failure in a running gateway
+LAB_POLICY = """\
+name: failclosed
+default: deny
+rules:
+  - name: sink
+    action: allow
+    match: {hosts: [sink.allowed.test], ports: [443, 80]}
+"""
+
+
+@pytest.fixture(params=[False, True], ids=["mitmproxy", "fast_path"])
+def broken_gw(request, lab, tmp_path):
+    """A running gateway whose identity database loses its table under it (another process's
+    migration gone wrong): every identity lookup raises sqlite3.OperationalError from then on."""
+    import sqlite3
+
+    from testbed.hostile import ensure_hostile
+    from tests.gateway.harness import Gateway
+    hostile = ensure_hostile(lab)
+    gw = Gateway(lab, tmp_path / "gw", {"main.yaml": LAB_POLICY},
+                 settings_extra={"proxy": {"fast_path": request.param}})
+    gw.start()
+    gw.hostile = hostile
+
+    def break_identities():
+        db = sqlite3.connect(gw.state_dir / "identities.db")
+        try:
+            db.execute("ALTER TABLE identities RENAME TO identities_gone")
+            db.commit()
+        finally:
+            db.close()
+    gw.break_identities = break_identities
+    yield gw
+    gw.stop()
+
+
+@pytest.mark.netns
+def test_a_failing_part_in_a_running_gateway_refuses_and_nothing_goes_upstream(broken_gw):
+    import uuid
+    gw = broken_gw
+    ok = "fc-ok-" + uuid.uuid4().hex[:8]
+    r = gw.curl(f"http://sink.allowed.test/{ok}")
+    assert r.status == 200, r              # the lab works: the refusals below are the failure's
+    assert len(gw.hostile.requests(ok)) == 1
+    gw.break_identities()
+    plain, tls = ("fc-" + uuid.uuid4().hex[:8] for _ in range(2))
+    rp = gw.curl(f"http://sink.allowed.test/{plain}")
+    rt = gw.curl(f"https://sink.allowed.test/{tls}", "--cacert", str(gw.lab.ca.bundle_path))
+    fast = "fast_path" in os.environ.get("PYTEST_CURRENT_TEST", "")
+    if fast:   # the fast path resets: it cannot know what it already wrote
+        assert rp.status == 0 and rt.status == 0 and rt.connect_status == 0, (rp, rt)
+    else:      # the gate answers before any byte went upstream
+        assert rp.status == 503 and rp.json()["reason"] == "internal_error", rp
+        assert rt.connect_status == 503, rt
+    for marker in (plain, tls):
+        assert gw.hostile.requests(marker) == [], "the upstream received a request the gateway failed to check"
+    recs = [r for r in gw.audit_records() if r.get("reason") == "internal_error" and r.get("event") == "decision"]
+    assert len(recs) >= 2, gw.audit_records()[-6:]
+    assert {r["extra"]["error"] for r in recs} == {"OperationalError"}
+    if not fast:
+        assert {r["extra"]["hook"] for r in recs} == {"requestheaders", "http_connect"}
+    code, metrics = gw.ops_status("/metrics")
+    assert code == 200 and re.search(r'cubegate_decisions_total\{[^}]*reason="internal_error"[^}]*\} [2-9]', metrics)
+    # the exception's text is in no record and no log line: only its class and where it was raised
+    assert "no such table" not in (gw.audit_dir / "audit-current.jsonl").read_text()
+    assert "no such table" not in gw.log_path.read_text(errors="replace")
+    assert "OperationalError" in gw.log_path.read_text(errors="replace")
