@@ -443,3 +443,83 @@ def test_a_failing_part_in_a_running_gateway_refuses_and_nothing_goes_upstream(b
     assert "no such table" not in (gw.audit_dir / "audit-current.jsonl").read_text()
     assert "no such table" not in gw.log_path.read_text(errors="replace")
     assert "OperationalError" in gw.log_path.read_text(errors="replace")
+
+
+# ------------------------------------------------------------ the fast path's catch-alls
+async def _fast_path(p: Parts):
+    from egress.fastpath.server import FastPath
+    fp = FastPath(gate=p.gate, master=None, listen_host="127.0.0.1", explicit_port=0, transparent_port=None,
+                  idle_timeout=5.0)
+    await fp.start()
+    return fp, fp.listen_addrs()[0][1]
+
+
+async def _exchange(port: int, first: bytes, then: bytes = b"", timeout: float = 5.0) -> bytes:
+    """Send `first`, read the answer to it (if any), send `then`; everything read until the gateway closes."""
+    import asyncio
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    out = b""
+    try:
+        writer.write(first)
+        if then:
+            out += await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+            writer.write(then)
+        while True:
+            try:
+                data = await asyncio.wait_for(reader.read(65536), timeout)
+            except ConnectionResetError:
+                break
+            if not data:
+                break
+            out += data
+    finally:
+        writer.close()
+    return out
+
+
+def _fast_failures(p: Parts) -> list[dict]:
+    return [r for r in p.records() if r.get("reason") == "internal_error" and r.get("event") == "decision"]
+
+
+def test_fast_path_connect_whose_identity_lookup_fails_is_reset_and_audited(parts, caplog):
+    """server.py's catch-all: the identity store fails for real (its database closed)."""
+    async def scenario(tctx):
+        fp, port = await _fast_path(parts)
+        try:
+            parts.gate.identities.close()
+            return await _exchange(port, f"CONNECT api.allowed.test:443 HTTP/1.1\r\nHost: api.allowed.test:443\r\n"
+                                         f"Proxy-Authorization: {parts.auth()}\r\n\r\n".encode())
+        finally:
+            await fp.close_listeners()
+    out = run(parts, scenario)
+    assert out == b""                                   # reset: no 200, no tunnel
+    recs = _fast_failures(parts)
+    assert len(recs) == 1 and recs[0]["extra"] == {"error": "ProgrammingError"}
+    assert parts.counted("deny", "internal_error", "internal", sandbox="-") == 1
+    assert "fast path: refusing connection" in caplog.text and "closed database" not in caplog.text
+
+
+def test_fast_plain_path_protocol_callback_failure_is_reset_and_audited(parts, monkeypatch, caplog):
+    """plain.py's catch-all: a bug in a protocol callback (data_received) of a plain-HTTP connection.
+    asyncio alone would log it with its text and close without a record."""
+    from egress.fastpath import plain
+
+    def boom(self, data):
+        raise Boom(f"failed on {LEAKED}")
+    monkeypatch.setattr(plain._Discard, "feed", boom)   # the refused request's body, read after the 403
+
+    async def scenario(tctx):
+        fp, port = await _fast_path(parts)
+        try:
+            head = (f"POST http://denied.test/x HTTP/1.1\r\nHost: denied.test\r\nContent-Length: 5000\r\n"
+                    f"Proxy-Authorization: {parts.auth()}\r\n\r\n").encode()
+            return await _exchange(port, head, b"b" * 5000)
+        finally:
+            await fp.close_listeners()
+    out = run(parts, scenario)
+    assert out.startswith(b"HTTP/1.1 403") and b'"reason": "rule_deny"' in out
+    recs = _fast_failures(parts)
+    assert len(recs) == 1 and recs[0]["extra"] == {"error": "Boom"}, parts.records()
+    assert parts.counted("deny", "internal_error", "internal") == 1
+    assert LEAKED not in caplog.text and LEAKED not in (parts.audit_dir / "audit-current.jsonl").read_text()
+    assert "Boom" in caplog.text
