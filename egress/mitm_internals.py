@@ -305,6 +305,7 @@ class HookTableAddons(addonmanager.AddonManager):
     hook with our seven addons, most of it for addons that do not implement it). Same
     order, same awaiting, same error handling (mitmproxy's safecall: an addon's exception
     is logged, AddonHalt stops the event); the table is rebuilt whenever the set changes.
+    The gate's hooks never raise into that safecall: egress/hook_guard.py refuses their flow first.
     """
 
     def __init__(self, master) -> None:
