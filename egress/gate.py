@@ -251,6 +251,8 @@ class PolicyGate:
             if client is not None:
                 mitm_internals.close_client(client, flush=False)
         elif hook not in _AFTER_THE_END and client is not None:
+            if isinstance(data, tls.ClientHelloData):
+                data.ignore_connection = False   # never a raw pass-through past a failed check
             server = getattr(data, "server", None) or getattr(getattr(data, "context", None), "server", None)
             if server is not None:
                 mitm_internals.abort_now(client.id, server)
