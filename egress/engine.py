@@ -12,7 +12,7 @@ from mitmproxy import options
 from mitmproxy.addons import core, errorcheck, next_layer, proxyserver, tlsconfig
 from mitmproxy.master import Master
 
-from egress import log_redact, mitm_internals
+from egress import hook_guard, log_redact, mitm_internals
 from egress.drain import DrainAddon
 
 
@@ -30,6 +30,8 @@ def build_master(
 ) -> Master:
     """own_listeners=False: mitmproxy binds nothing; the fast path (egress/fastpath/) accepts
     every connection and hands it the ones it must see (mitm_internals.hand_over)."""
+    if not hook_guard.guarded(gate):
+        raise TypeError("the gate's hooks must fail closed (egress.hook_guard.fail_closed)")
     mitm_internals.install_safe_error_pages()   # no error page quotes the bytes that failed
     mitm_internals.install_trailer_refusal()     # HTTP/1 trailers are refused, never a hung connection
     mitm_internals.install_head_limit(gate.max_header_bytes + 16 * 1024)   # request line + headers, bounded

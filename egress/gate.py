@@ -25,7 +25,7 @@ from mitmproxy import connection, ctx, http, tls
 from mitmproxy.proxy import layers, server_hooks
 from mitmproxy.proxy.layer import NextLayer
 
-from egress import mitm_internals, netguard
+from egress import hook_guard, mitm_internals, netguard
 from egress.bodies import (BodyLimits, BodyRefused, BufferBudget, RefusedResponseStream, RequestLeakStream,
                            ResponseScrubStream, check_request_body, content_encoding, make_decoder,
                            scrub_response_body)
@@ -124,6 +124,7 @@ class _CountingReader:
         return getattr(self._inner, name)
 
 
+@hook_guard.fail_closed   # an exception in any hook refuses its flow/connection (hook_failed)
 class PolicyGate:
     def __init__(
         self,
@@ -216,6 +217,88 @@ class PolicyGate:
                 except Exception:   # one path's failure must not stop the others being closed
                     log.exception("closing a revoked connection failed")
         return revoked
+
+    # ------------------------------------------------------------ fail closed
+    def hook_failed(self, hook: str, args: tuple, exc: Exception) -> None:
+        """One of our hooks raised (a bug, or a part failing in a way nobody planned for): the
+        flow or connection is refused, never let through. Audited and counted as internal_error;
+        logged with the exception's class and frames only (its text may quote what was sent)."""
+        error = type(exc).__name__
+        log.error("gate hook %s raised %s at %s: refused (fail closed)", hook, error, hook_guard.where(exc))
+        data = args[0] if args else None
+        client = _client_of(data)
+        try:
+            self._fail_closed(hook, data, client, error)
+        except Exception as e:   # noqa: BLE001 - the refusal itself failed: reset what we can reach
+            log.error("fail-closed refusal after hook %s raised %s: connection reset", hook, type(e).__name__)
+            if client is not None:
+                mitm_internals.close_client(client, flush=False)
+
+    def _fail_closed(self, hook: str, data: Any, client: connection.Client | None, error: str) -> None:
+        flow = data if isinstance(data, http.HTTPFlow) else None
+        st = self.conns.get(client.id) if client is not None else None
+        if st is None and flow is not None:
+            st = flow.metadata.get("cubegate_conn")
+        if st is not None:
+            st.kind, st.denied_reason = "denied", "internal_error"
+        status = None
+        if flow is not None:
+            status = self._fail_flow(hook, flow, st)
+        elif hook == "client_connected" and client is not None:
+            client.error = "cubegate: internal error"    # mitmproxy closes it before reading a byte
+        elif hook == "server_connect":
+            data.server.error = "cubegate: internal error"   # never dialled
+            if client is not None:
+                mitm_internals.close_client(client, flush=False)
+        elif hook not in _AFTER_THE_END and client is not None:
+            if isinstance(data, tls.ClientHelloData):
+                data.ignore_connection = False   # never a raw pass-through past a failed check
+            server = getattr(data, "server", None) or getattr(getattr(data, "context", None), "server", None)
+            if server is not None:
+                mitm_internals.abort_now(client.id, server)
+            mitm_internals.close_client(client, flush=False)
+        fields: dict[str, Any] = dict(decision="deny", reason="internal_error", status=status,
+                                      extra={"hook": hook, "error": error})
+        if flow is not None:
+            fields.update(scheme=flow.request.scheme or None, method=flow.request.method,
+                          path=_path_only(flow.request.path))
+        if st is None:
+            fields["conn_id"] = client.id if client is not None else None
+        self._audit("decision", st, **fields)
+        sandbox = st.identity.sandbox_id if st is not None and st.identity else "-"
+        self.metrics.decisions.labels(sandbox, "deny", "internal_error", "internal").inc()
+
+    def _fail_flow(self, hook: str, flow: http.HTTPFlow, st: ConnState | None) -> int | None:
+        """Refuse an HTTP flow whose hook raised: our answer where nothing of the flow has reached
+        the sandbox yet and nothing of the request has gone upstream, else both sides reset.
+        Returns the status answered (None: reset)."""
+        self._disarm_upstream_timer(flow)
+        self._release_buffer(flow)
+        flow.metadata.pop("cubegate_needles", None)
+        flow.metadata.pop("cubegate_agent", None)
+        streamed_up = hook == "request" and bool(flow.request.stream)   # the body is upstream already
+        if hook in ("http_connect", "requestheaders", "request") and not streamed_up:
+            refusal = Refusal(503, "internal_error", "the gateway failed to check this request")
+            if hook == "requestheaders" and st is not None:
+                self._respond_before_body(flow, st, refusal)   # with the refused body's allowance
+            else:
+                flow.request.stream = False
+                flow.response = self._deny_response(refusal.status, refusal.reason, refusal.detail, st=st)
+            return 503
+        if hook == "responseheaders" or (hook == "response" and flow.response is not None
+                                         and not flow.response.stream):
+            deny = self._deny_response(502, "internal_error", "the gateway failed to check this response", st=st)
+            if hook == "responseheaders":   # the upstream's body is dropped, ours sent (see _refuse_response)
+                flow.metadata["cubegate_own_response"] = deny.raw_content
+                deny.stream = RefusedResponseStream(deny.raw_content)
+            flow.response = deny
+            return 502
+        if flow.websocket is not None and flow.websocket.messages:
+            flow.websocket.messages[-1].drop()
+        if flow.killable:
+            flow.kill()
+        mitm_internals.abort_now(flow.client_conn.id, flow.client_conn, flow.server_conn)
+        return None
 
     # ------------------------------------------------------------------ helpers
     def _audit(self, event: str, st: ConnState | None, **fields: Any) -> bool:
@@ -424,7 +507,7 @@ class PolicyGate:
         st.decision = decision
         self.metrics.decision_latency.labels("connect").observe(time.perf_counter() - t0)
         if refusal is None and decision.action != "allow":
-            refusal = Refusal(403, decision.reason, _explain(decision))
+            refusal = records.policy_refusal(decision)
         if refusal is not None:
             st.kind, st.denied_reason = "denied", refusal.reason
             fields = self._decision_fields(decision) if decision else {}
@@ -489,7 +572,7 @@ class PolicyGate:
                 decision, refusal = await self._destination(st, sni, st.port or 443, scheme=None, method=None, path=None)
                 st.decision = decision
                 if refusal is None and decision.action != "allow":
-                    refusal = Refusal(403, decision.reason, _explain(decision))
+                    refusal = records.policy_refusal(decision)
                 if refusal is None:
                     st.intercept = needs_interception(decision, self.credentials, st.host, st.port)
                     # Connect to the name the sandbox asked for, resolved by us, never to its chosen IP.
@@ -608,7 +691,7 @@ class PolicyGate:
                     st.kind = "http"
         _drop_headers(flow.request.headers, PROXY_ONLY_HEADERS)
         if refusal is None and decision is not None and decision.action != "allow":
-            refusal = Refusal(403, decision.reason, _explain(decision))
+            refusal = records.policy_refusal(decision)
         injected = None
         if refusal is None and decision is not None:
             st.decision = decision  # the request-level decision (tenant, rule) is the one in force
@@ -1053,6 +1136,7 @@ class PolicyGate:
             # Should be impossible (the resolver filtered it); close rather than trust.
             st.kind, st.denied_reason = "denied", f"ssrf_{reason}"
             self._audit("decision", st, decision="deny", reason=f"ssrf_{reason}", upstream=st.upstream)
+            self._count(st, "deny", f"ssrf_{reason}", "upstream")
             self._kill_client(data.client)
             return
         self._wrap_reader(data.server, "in", st)
@@ -1070,8 +1154,26 @@ class PolicyGate:
         if timed_out:
             reason, err = "upstream_connect_timeout", f"no TCP connection within {self.connect_timeout}s"
         st.denied_reason = st.denied_reason or reason
-        self._audit("decision", st, decision="deny", reason=reason, extra={"error": err[:300]})
+        self._audit("decision", st, decision="deny", reason=reason, extra={"error": err[:300]},
+                    status=502 if reason.startswith("upstream_") else None)
         self._count(st, "deny", reason, "upstream")
+
+
+# hooks after which there is nothing left to refuse (the connection is gone or failing already)
+_AFTER_THE_END = frozenset({"client_disconnected", "server_disconnected", "server_connect_error"})
+
+
+def _client_of(data: Any) -> connection.Client | None:
+    """The sandbox's connection a hook's argument belongs to."""
+    if isinstance(data, connection.Client):
+        return data
+    for path in (("client_conn",), ("client",), ("context", "client")):
+        obj = data
+        for attr in path:
+            obj = getattr(obj, attr, None)
+        if isinstance(obj, connection.Client):
+            return obj
+    return None
 
 
 _INLINE_CHECK_BYTES = 64 * 1024   # larger held bodies are checked in a thread, off the event loop

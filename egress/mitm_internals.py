@@ -7,7 +7,6 @@ upstream bytes again).
 """
 from __future__ import annotations
 
-import html
 import inspect
 import types
 
@@ -88,23 +87,32 @@ def listening_sockets(master) -> list:
 # -- error pages ------------------------------------------------------------------
 # mitmproxy's own error pages put the protocol error's text into the body, and that
 # text quotes the bytes that failed to parse (an upstream header name holding the
-# injected key, a sandbox's request line). Ours say what happened, never what was sent.
+# injected key, a sandbox's request line). Ours are the gate's deny shape (JSON body,
+# X-Cubegate-Reason: relay_failed), saying what happened, never what was sent.
 _ERROR_MODULES = (_http1, _http2, _http3)
+_RELAY_FAILED = "the connection could not be relayed (protocol error, upstream failure or refusal; see the audit log)"
 
 
 def _format_error(status_code: int, message: str) -> bytes:
-    reason = http.status_codes.RESPONSES.get(status_code, "Error")
-    return (f"cubegate: {status_code} {html.escape(reason)}: the connection could not be relayed "
-            "(protocol error, upstream failure or refusal; see the audit log)\n").encode()
+    """The body of an HTTP/2 or HTTP/3 error answer (mitmproxy writes its headers)."""
+    from egress import records
+    return records.deny_body(status_code, "relay_failed", _RELAY_FAILED)
+
+
+def _make_error_response(status_code: int, message: str = "") -> bytes:
+    """A whole HTTP/1 error answer: the same bytes as every other refusal."""
+    return _refusal_bytes(status_code, reason="relay_failed", detail=_RELAY_FAILED)
 
 
 def install_safe_error_pages() -> None:
     for mod in _ERROR_MODULES:
         mod.format_error = _format_error
+    _http1.make_error_response = _make_error_response
 
 
 def safe_error_pages_installed() -> bool:
-    return all(getattr(mod, "format_error", None) is _format_error for mod in _ERROR_MODULES)
+    return all(getattr(mod, "format_error", None) is _format_error for mod in _ERROR_MODULES) \
+        and _http1.make_error_response is _make_error_response
 
 
 # -- HTTP/1 trailers ----------------------------------------------------------------
@@ -115,11 +123,7 @@ TRAILERS_REFUSED = "HTTP/1 trailers are not supported"
 
 
 def _trailers_refused_response() -> bytes:
-    from mitmproxy.net.http import http1
-    resp = http.Response.make(400, b"cubegate: request refused: trailers_refused: HTTP/1 trailers are not supported\n",
-                              {"Content-Type": "text/plain; charset=utf-8", "X-Cubegate-Reason": "trailers_refused",
-                               "Connection": "close"})
-    return http1.assemble_response(resp)
+    return _refusal_bytes(400, "trailers_refused", TRAILERS_REFUSED)
 
 
 def install_trailer_refusal() -> None:
@@ -238,7 +242,7 @@ def install_head_limit(limit: int) -> None:
                     if self.stream_id is not None:
                         yield ReceiveHttp(ResponseProtocolError(self.stream_id, "upstream response head too large",
                                                                 ErrorCode.GENERIC_SERVER_ERROR))
-                self.buf.clear()
+                self.buf = type(self.buf)()   # h11's ReceiveBuffer has no clear(): a new, empty one
                 return
             yield from original(self, event)
         read_headers._cubegate_limit = limit
@@ -258,11 +262,9 @@ def head_limit_installed() -> int | None:
 
 
 def _refusal_bytes(status: int, reason: str, detail: str) -> bytes:
-    from mitmproxy.net.http import http1
-    resp = http.Response.make(status, f"cubegate: request refused: {reason}: {detail}\n".encode(),
-                              {"Content-Type": "text/plain; charset=utf-8", "X-Cubegate-Reason": reason,
-                               "Connection": "close"})
-    return http1.assemble_response(resp)
+    """Every refusal mitmproxy's layers send for us: the gate's deny shape (egress.records)."""
+    from egress.fastpath import heads   # imports this module
+    return heads.refusal_response(status, reason, detail)
 
 
 # -- WebSocket control frames ------------------------------------------------------------
@@ -303,6 +305,7 @@ class HookTableAddons(addonmanager.AddonManager):
     hook with our seven addons, most of it for addons that do not implement it). Same
     order, same awaiting, same error handling (mitmproxy's safecall: an addon's exception
     is logged, AddonHalt stops the event); the table is rebuilt whenever the set changes.
+    The gate's hooks never raise into that safecall: egress/hook_guard.py refuses their flow first.
     """
 
     def __init__(self, master) -> None:

@@ -13,6 +13,7 @@ from egress.audit.log import AuditWriteError
 from egress.audit.record import new_id, now_ts
 from egress.conn_state import ConnState
 from egress.destination import AGENT_HOST
+from egress.http_checks import Refusal
 from egress.policy import Decision
 
 log = logging.getLogger("cubegate.gate")
@@ -45,6 +46,12 @@ def closed_fields(st: ConnState, duration: float) -> dict[str, Any]:
                 upstream=st.upstream, decision=decision,
                 reason=st.denied_reason or (st.decision.reason if st.decision else None),
                 extra={"kind": st.kind, "requests": st.requests})
+
+
+def policy_refusal(d: Decision) -> Refusal:
+    """A policy's deny as the sandbox is answered: 403, but 400 for `invalid_host` (a host that
+    cannot be read is a malformed request, and the parsers answer it 400 too)."""
+    return Refusal(400 if d.reason == "invalid_host" else 403, d.reason, explain(d))
 
 
 def explain(d: Decision) -> str:

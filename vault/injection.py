@@ -47,8 +47,7 @@ class Injection:
             return
         target = self.name.lower()
         if hasattr(headers, "set_all") and hasattr(headers, "get_all"):  # mitmproxy Headers
-            headers.set_all(self.name, [])
-            headers.set_all(self.name, [self._wire_value])
+            headers.set_all(self.name, [self._wire_value])   # replaces every field of that name, any case
             return
         for _ in range(64):  # bounded: mappings whose keys() shows one casing at a time
             stale = [k for k in list(headers.keys())

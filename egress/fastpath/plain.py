@@ -251,6 +251,12 @@ class _Upstream(asyncio.Protocol):
         transport.set_write_buffer_limits(high=WRITE_HIGH)
 
     def data_received(self, data: bytes) -> None:
+        try:
+            self._relay(data)
+        except Exception as e:   # noqa: BLE001 - fail closed (PlainConn.internal_error)
+            self.conn.internal_error(e)
+
+    def _relay(self, data: bytes) -> None:
         conn = self.conn
         conn.st.bytes_in += len(data)
         conn.last_activity = asyncio.get_running_loop().time()
@@ -320,9 +326,21 @@ class PlainConn(asyncio.Protocol):
 
     # ------------------------------------------------------------ protocol
     def data_received(self, data: bytes) -> None:
-        self.st.bytes_out += len(data)
-        self.last_activity = asyncio.get_running_loop().time()
-        self._feed(data)
+        try:
+            self.st.bytes_out += len(data)
+            self.last_activity = asyncio.get_running_loop().time()
+            self._feed(data)
+        except Exception as e:   # noqa: BLE001 - fail closed, see internal_error
+            self.internal_error(e)
+
+    def internal_error(self, e: Exception) -> None:
+        """A bug in a protocol callback: asyncio would log it (with its text) and only close one
+        side. Refused and audited as internal_error (FastPath.internal_error), both sides reset;
+        a bug in run() reaches FastPath.serve's catch-all instead."""
+        self.fp.internal_error(self.c, e)
+        self.revoked = True
+        self._reset_both()
+        self._poke()
 
     def _feed(self, data: bytes) -> None:
         if not self.reader._in_message:

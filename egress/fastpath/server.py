@@ -24,7 +24,7 @@ import logging
 import time
 import uuid
 
-from egress import mitm_internals, netguard, records
+from egress import hook_guard, mitm_internals, netguard, records
 from egress.conn_state import ConnState
 from egress.destination import DecisionCache, decide_destination, needs_interception
 from egress.fastpath import heads
@@ -136,6 +136,22 @@ class FastPath:
         self.outcomes("refused").inc()
         c.finish(response)
 
+    def internal_error(self, c: "_Conn", e: Exception) -> None:
+        """Fail closed on our own bug (here or in plain.py): audited and counted as internal_error,
+        logged with the exception's class and frames only (its text may quote what was sent);
+        the caller resets the connection."""
+        log.error("fast path: refusing connection %s after %s at %s (fail closed)", c.st.conn_id,
+                  type(e).__name__, hook_guard.where(e))
+        c.handed = False
+        if c.st.denied_reason == "internal_error":
+            return                       # refused once already
+        if c.finished_deciding:          # its allow was audited: this record says why it ended
+            c.st.kind, c.st.denied_reason = "denied", "internal_error"
+            self._audit("decision", c.st, decision="deny", reason="internal_error", extra={"error": type(e).__name__})
+            self._count(c.st, "deny", "internal_error", "internal")
+        else:
+            self._refuse(c, "internal_error", stage="internal", extra={"error": type(e).__name__})
+
     def _refuse_http(self, c: "_Conn", refusal: Refusal, *, stage: str, extra_headers=None, **fields) -> None:
         self._refuse(c, refusal.reason, stage=stage, status=refusal.status,
                      response=heads.refusal_response(refusal.status, refusal.reason, refusal.detail, extra_headers),
@@ -161,12 +177,7 @@ class FastPath:
             else:
                 await self._explicit(c)
         except Exception as e:   # fail closed: refused and audited, never relayed
-            log.exception("fast path: refusing connection %s after an internal error", c.st.conn_id)
-            c.handed = False
-            if c.finished_deciding:
-                c.st.kind, c.st.denied_reason = "denied", "internal_error"
-            else:
-                self._refuse(c, "internal_error", stage="connect", extra={"error": type(e).__name__})
+            self.internal_error(c, e)
             c.abort()
         finally:
             if c.handed:
@@ -253,7 +264,7 @@ class FastPath:
         if c.lost:
             return
         if refusal is None and decision.action != "allow":
-            refusal = Refusal(403, decision.reason, records.explain(decision))
+            refusal = records.policy_refusal(decision)
         if refusal is not None:
             fields = records.decision_fields(decision) if decision else {}
             fields.update(decision="deny", reason=refusal.reason, status=refusal.status)
@@ -371,7 +382,7 @@ class FastPath:
         if c.lost:
             return
         if refusal is None and decision.action != "allow":
-            refusal = Refusal(403, decision.reason, records.explain(decision))
+            refusal = records.policy_refusal(decision)
         if refusal is not None:
             st.decision = decision
             self._refuse(c, refusal.reason, stage="sni", status=refusal.status)
@@ -422,7 +433,7 @@ class FastPath:
         if transport is None:
             reason = "upstream_connect_timeout" if timed_out else "upstream_connect_failed"
             st.denied_reason = st.denied_reason or reason
-            self._audit("decision", st, decision="deny", reason=reason, extra={"error": error})
+            self._audit("decision", st, decision="deny", reason=reason, status=502, extra={"error": error})
             self._count(st, "deny", reason, "upstream")
             c.finish(None)
             return
