@@ -504,7 +504,7 @@ class PlainConn(asyncio.Protocol):
             decision, refusal = verdict.decision, verdict.refusal
             st.kind = "http"
             if refusal is None and decision.action != "allow":
-                refusal = Refusal(403, decision.reason, records.explain(decision))
+                refusal = records.policy_refusal(decision)
             if refusal is None and needs_interception(decision, gate.credentials, st.host, st.port):
                 return self._hand_over(head)
         plan = None
@@ -785,7 +785,7 @@ class PlainConn(asyncio.Protocol):
     def _upstream_failed(self, reason: str, error: str) -> None:
         st = self.st
         st.denied_reason = st.denied_reason or reason
-        self.fp._audit("decision", st, decision="deny", reason=reason, extra={"error": error})
+        self.fp._audit("decision", st, decision="deny", reason=reason, status=502, extra={"error": error})
         self.fp._count(st, "deny", reason, "upstream")
         self._respond_and_close(Refusal(502, reason, error))
 
