@@ -369,18 +369,10 @@ class NamespaceBackend:
             raise SandboxError(str(e)) from None
 
     def _base_env(self, h: Handle, env: dict[str, str]) -> dict[str, str]:
-        tpl = h.data.get("template")
-        if not tpl:
-            return {**base_env(h.sandbox_id), **env}
-        return {**base_env(h.sandbox_id), **tpl_trust.trust_env(tpl["tools"]), **tpl["env"], **env}
+        return tpl_trust.sandbox_env(base_env(h.sandbox_id), h.data.get("template"), env)
 
     def _extra_ca_pem(self) -> bytes:
-        if not self.ca_bundle:
-            return b""
-        try:
-            return self.ca_bundle.read_bytes()
-        except OSError as e:
-            raise SandboxError(f"cannot read CA bundle: {e.strerror}") from None
+        return tpl_trust.read_extra_ca(self.ca_bundle)
 
     def _run_trust_script(self, h: Handle, client: AgentClient) -> None:
         """NSS / Java stores live in the sandbox's $HOME: made by the sandbox user, after start."""

@@ -325,18 +325,10 @@ class MicrovmBackend:
             ch.call(lambda c: c.write_file(path, content, 0o644))
 
     def _env(self, h: Handle, env: dict[str, str]) -> dict[str, str]:
-        tpl = _tpl(h)
-        if not tpl:
-            return {**base_env(h.sandbox_id), **env}
-        return {**base_env(h.sandbox_id), **tpl_trust.trust_env(tpl["tools"]), **tpl["env"], **env}
+        return tpl_trust.sandbox_env(base_env(h.sandbox_id), _tpl(h), env)
 
     def _extra_ca_pem(self) -> bytes:
-        if not self.ca_bundle:
-            return b""
-        try:
-            return self.ca_bundle.read_bytes()
-        except OSError as e:
-            raise SandboxError(f"CA bundle unreadable: {e.strerror}") from None
+        return tpl_trust.read_extra_ca(self.ca_bundle)
 
     def _ca_pem(self) -> bytes:
         pem = HOST_CA_BUNDLE.read_bytes() if HOST_CA_BUNDLE.exists() else b""

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import re
 
+from sandbox_runtime.backend import SandboxError
+
 BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 CA_DIR = "/etc/ssl/certs/cubegate"            # one PEM per gateway CA (for certutil / keytool)
 NSS_DB = "$HOME/.pki/nssdb"
@@ -62,3 +64,21 @@ def trust_script(tools: dict, n_certs: int) -> str | None:
         return None
     return "set -e\n" + "\n".join(steps) + "\n"
 
+
+
+def sandbox_env(base: dict[str, str], template: dict | None, env: dict[str, str]) -> dict[str, str]:
+    """A sandbox's environment: the backend's base, then a template's trust variables and its
+    own env, then the caller's (each later one wins)."""
+    if not template:
+        return {**base, **env}
+    return {**base, **trust_env(template["tools"]), **template["env"], **env}
+
+
+def read_extra_ca(path) -> bytes:
+    """The gateway CA bundle to add to a sandbox's stores (none configured: nothing)."""
+    if not path:
+        return b""
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise SandboxError(f"cannot read CA bundle: {e.strerror}") from None
