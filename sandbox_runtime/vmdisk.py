@@ -9,13 +9,14 @@ whose writable layer is guest memory (assets.INIT); the image itself never chang
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import shutil
 import subprocess
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from pathlib import Path
+
+from sandbox_runtime import filelock
 
 FORMAT = 1                  # bump when the mkfs recipe changes
 MKFS_TIMEOUT_S = 300.0
@@ -73,16 +74,6 @@ def mkfs_argv(src: Path, dest: Path, size: int, n_inodes: int) -> list[str]:
             "-O", "^has_journal,^resize_inode", str(dest), str(size // 1024) + "k"]
 
 
-@contextmanager
-def _locked(path: Path):
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def ensure_image(template_dir: Path, rootfs: Path, *, timeout: float = MKFS_TIMEOUT_S) -> Path:
     """The image of `rootfs` (built if missing); raises DiskError with the reason."""
     img = image_path(template_dir)
@@ -92,7 +83,7 @@ def ensure_image(template_dir: Path, rootfs: Path, *, timeout: float = MKFS_TIME
         raise DiskError("mkfs.ext4 not installed (apt: e2fsprogs)")
     if not Path(rootfs).is_dir():
         raise DiskError(f"template root {rootfs} missing")
-    with _locked(Path(template_dir) / f".rootfs.{FORMAT}.ext4.lock"):
+    with filelock.exclusive(Path(template_dir) / f".rootfs.{FORMAT}.ext4.lock"):
         if img.is_file():
             return img
         tmp = img.with_name(img.name + f".tmp-{os.getpid()}")

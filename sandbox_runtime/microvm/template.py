@@ -12,17 +12,17 @@ from it. Built under an exclusive lock; written to a temp name then renamed.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
 import shutil
 import tempfile
 import time
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from sandbox_runtime import filelock
 from sandbox_runtime.backend import SandboxError
 
 from . import vm
@@ -51,17 +51,6 @@ class Template:
     disk: str | None = None      # the read-only root disk it booted with (a template's image)
 
 
-@contextmanager
-def _locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def vm_config(assets_dir: Path, run_dir: str, *, memory_mb: int, cpus: int, accel: str, tsc: int,
               disk: str | None = None) -> vm.VmConfig:
     return vm.VmConfig(kernel=str(assets_dir / "vmlinuz"), initrd=str(assets_dir / "initramfs.cpio.gz"),
@@ -88,7 +77,7 @@ def probe_accel(assets_dir: Path, man: Manifest, agent: str, *, memory_mb: int =
         d = json.loads(cache.read_text())
         if d["hash"] == man.hash:
             return d
-    with _locked(assets_dir / ".probe.lock"):
+    with filelock.exclusive(assets_dir / ".probe.lock"):
         with suppress(OSError, ValueError, KeyError):
             d = json.loads(cache.read_text())
             if d["hash"] == man.hash:
@@ -142,7 +131,7 @@ def ensure_template(assets_dir: Path, man: Manifest, agent: str, *, memory_mb: i
     meta = d / "template.json"
     with suppress(OSError, ValueError, KeyError, TypeError):
         return Template(**json.loads(meta.read_text()))
-    with _locked(assets_dir / "templates" / f".{d.name}.lock"):
+    with filelock.exclusive(assets_dir / "templates" / f".{d.name}.lock"):
         with suppress(OSError, ValueError, KeyError, TypeError):
             return Template(**json.loads(meta.read_text()))
         d.mkdir(parents=True, exist_ok=True)
