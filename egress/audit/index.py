@@ -15,8 +15,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .filters import RecordFilter, normalize_host_pattern, to_epoch_ms
-from .record import from_line, parse_ts
+from .filters import RecordFilter, normalize_host_pattern
+from .record import from_line, ts_epoch_ms
 from .segments import CURRENT_NAME, Position, file_key, log_files, present_keys, read_lines
 
 SCHEMA_VERSION = 1
@@ -241,7 +241,7 @@ def _row(rec: dict[str, Any], line: bytes) -> tuple:
     if isinstance(host, str):
         host = host.lower().rstrip(".")
     return (
-        rec["id"], rec["ts"], to_epoch_ms(parse_ts(rec["ts"])), rec["event"],
+        rec["id"], rec["ts"], ts_epoch_ms(rec["ts"]), rec["event"],
         rec.get("sandbox"), host, rec.get("port"), rec.get("decision"), rec.get("reason"),
         rec.get("rule"), rec.get("method"), rec.get("path"), rec.get("conn_id"),
         line.decode("ascii", "replace").rstrip("\n"),
