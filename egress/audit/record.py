@@ -216,7 +216,7 @@ def to_line(record: dict[str, Any]) -> bytes:
     return text.encode("ascii") + b"\n"
 
 
-def from_line(line: bytes) -> dict[str, Any] | None:
+def from_line(line: bytes | str) -> dict[str, Any] | None:
     """Parse one complete line; None for garbage (torn or foreign lines are skipped)."""
     try:
         rec = json.loads(line)
