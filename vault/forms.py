@@ -73,6 +73,20 @@ def starters(families: bytes) -> tuple[bytes, ...]:
 _STARTERS: dict[bytes, tuple[bytes, ...]] = {}
 
 
+def has_escape(data: bytes, families: bytes = FAMILIES) -> bool:
+    """Whether an escape of `families` occurs in `data`. If none does, a round of them
+    returns `data` unchanged (a starter alone, as in '?a=1&b=2', decodes to itself); for
+    all FAMILIES: every decoded view of `data` is `data` itself."""
+    pattern = _ANY_ESCAPE.get(families)
+    if pattern is None:
+        pattern = _ANY_ESCAPE[families] = re.compile(
+            b"|".join(_FAMILIES[first].pattern for first in starters(families)))
+    return pattern.search(data) is not None
+
+
+_ANY_ESCAPE: dict[bytes, re.Pattern] = {}
+
+
 def _decode(s: bytes) -> bytes:
     fixed = _FIXED.get(s)
     if fixed is not None:
@@ -95,7 +109,8 @@ def _decode(s: bytes) -> bytes:
 
 def _pieces(data: bytes, families: bytes) -> list[bytes]:
     """`data` as [literal, escape, literal, ..., literal] for the escapes of `families`."""
-    present = [first for first in starters(families) if first in data]
+    # (a starter with no escape after it, as the '&' of a query string, splits nothing)
+    present = [first for first in starters(families) if first in data and _FAMILIES[first].search(data)]
     if len(present) <= 1:
         return _SPLITTERS[present[0]].split(data) if present else [data]
     # Split by the most frequent family (in C; judged by a sample); splice the others in.

@@ -44,13 +44,14 @@ from typing import Iterable
 import ahocorasick_rs as _ac
 
 from .forms import (ESCAPE_ROUNDS, FAMILIES, MAX_ESCAPE_LEN, MIN_FORM_LEN, REDACTED, ROUND_EXPANSION,
-                    decode_round, decode_round_marked, starters)
+                    decode_round, decode_round_marked, has_escape, starters)
 
 MAX_NEEDLE_LEN = 256      # longer forms are matched by their first 256 bytes (bounds the window)
 B64_LEAD = 8              # base64 characters held before a possible occurrence (see _Prefixes.lead)
 _MAX_SPANS = 16           # escapes a stream round maps exactly (older ones: merged into one span)
 _GAP = 256                # windows closer than this are scanned as one (fewer calls, few more bytes)
 _SLICE = 256 * 1024       # work on at most this much at once: bounds the match lists
+_SMALL = 16 * 1024        # buffers up to this size (a URL and headers) are decoded whole, view by view
 
 
 _HEX_DIGITS = re.compile(rb"[0-9a-fA-F]+")
@@ -125,8 +126,24 @@ class Needles:
         if self.empty:
             return set()
         data = bytes(data)
-        if not any(first in data for first in _STARTERS):
-            return self.find_raw(data)    # no escape starter: every view is the data itself
+        if not any(first in data for first in _STARTERS) or not has_escape(data):
+            return self.find_raw(data)    # no escape: every view is the data itself
+        if len(data) <= _SMALL:
+            return self._find_in_whole_views(data)
+        return self._find_in_streamed_views(data)
+
+    def _find_in_whole_views(self, data: bytes) -> set[str]:
+        """find() for a small buffer: every view decoded whole, each distinct one scanned once
+        (on a URL and headers most views are the same few bytes: a handful of decodes and
+        scans, not 42 of each)."""
+        found: set[str] = set()
+        for view in _whole_views(data):
+            found |= self.find_raw(view)
+        return found
+
+    def _find_in_streamed_views(self, data: bytes) -> set[str]:
+        """find() for a large buffer: the stream's views (_Views), slice by slice, scanning only
+        around what each round changed (bounded memory: one slice's views at a time)."""
         views = _Views(self)
         found: set[str] = set()
         for start in range(0, len(data), _SLICE):
@@ -154,6 +171,38 @@ def _view_paths() -> tuple[tuple[bytes, ...], ...]:
 VIEWS = _view_paths()
 _VIEW_INDEX = {(): 0} | {path: i for i, path in enumerate(VIEWS, 1)}
 _PARENTS = tuple(_VIEW_INDEX[path[:-1]] for path in VIEWS)   # each view's parent (0: the raw bytes)
+_SINGLE_FAMILIES = starters(FAMILIES)
+
+
+def _whole_views(data: bytes) -> set[bytes]:
+    """The distinct views of a whole buffer: what decoding it along every path in VIEWS gives.
+
+    Walked as VIEWS' two trees (all families at once, and one family at a time in every
+    order) breadth first, a view at most once: a view with no escape of a round's families
+    is its own child there, and one met again deeper has only children met already.
+    """
+    at_once = {data}
+    view = data
+    for _ in range(ESCAPE_ROUNDS):              # (FAMILIES,) * k
+        if not has_escape(view):
+            break
+        view = decode_round(view)[0]
+        at_once.add(view)
+    one_by_one = {data}
+    frontier = [data]
+    for _ in range(ESCAPE_ROUNDS):              # every order of single families
+        children = []
+        for view in frontier:
+            if not has_escape(view):
+                continue                         # every path from here gives the view itself
+            for family in _SINGLE_FAMILIES:
+                if has_escape(view, family):
+                    child = decode_round(view, families=family)[0]
+                    if child not in one_by_one:
+                        one_by_one.add(child)
+                        children.append(child)
+        frontier = children
+    return at_once | one_by_one
 
 
 def _decodings(form: bytes) -> set[bytes]:

@@ -15,8 +15,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .filters import RecordFilter, normalize_host_pattern, to_epoch_ms
-from .record import from_line, parse_ts
+from .filters import RecordFilter, normalize_host_pattern
+from .record import from_line, ts_epoch_ms
 from .segments import CURRENT_NAME, Position, file_key, log_files, present_keys, read_lines
 
 SCHEMA_VERSION = 1
@@ -189,11 +189,16 @@ class AuditIndex:
         rows: list[tuple] = []
         pos = committed = known
         for line, pos in read_lines(f, known, final=final):
-            rec = from_line(line)
+            try:
+                text = line.decode("ascii")          # what to_line writes: decoded once, parsed as str
+                rec = from_line(text)
+            except UnicodeDecodeError:               # not ours: parsed as bytes, stored with replacements
+                rec = from_line(line)
+                text = line.decode("ascii", "replace")
             if rec is None:
                 self.bad_lines += 1
             else:
-                rows.append(_row(rec, line))
+                rows.append(_row(rec, text))
                 if self.on_record is not None:
                     self.on_record(rec)
             if len(rows) >= _BATCH:
@@ -236,15 +241,15 @@ class AuditIndex:
             self._conn.executemany("DELETE FROM files WHERE dev=? AND ino=?", gone)
 
 
-def _row(rec: dict[str, Any], line: bytes) -> tuple:
+def _row(rec: dict[str, Any], text: str) -> tuple:
     host = rec.get("host")
     if isinstance(host, str):
         host = host.lower().rstrip(".")
     return (
-        rec["id"], rec["ts"], to_epoch_ms(parse_ts(rec["ts"])), rec["event"],
+        rec["id"], rec["ts"], ts_epoch_ms(rec["ts"]), rec["event"],
         rec.get("sandbox"), host, rec.get("port"), rec.get("decision"), rec.get("reason"),
         rec.get("rule"), rec.get("method"), rec.get("path"), rec.get("conn_id"),
-        line.decode("ascii", "replace").rstrip("\n"),
+        text.rstrip("\n"),
     )
 
 

@@ -51,6 +51,8 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
 }
 FIELDS: tuple[str, ...] = tuple(FIELD_TYPES)
 _EXACT_TYPES = {name: frozenset(types) for name, types in FIELD_TYPES.items()}   # bool only where listed
+_KNOWN = frozenset(FIELD_TYPES)
+_ALL_NONE = dict.fromkeys(FIELDS)        # a record's keys in schema order (to_line fills in the values)
 REQUIRED = ("id", "ts", "event")
 
 # Long strings are cut in make_record so one hostile URL cannot bloat the log.
@@ -89,6 +91,23 @@ def parse_ts(ts: str) -> datetime:
     if not isinstance(ts, str) or not _TS_RE.match(ts):
         raise ValueError(f"bad audit timestamp {ts!r}: want YYYY-MM-DDTHH:MM:SS.mmmZ")
     return datetime.fromisoformat(ts)
+
+
+_parsed_second: tuple[str, int] = ("", 0)   # ("YYYY-MM-DDTHH:MM:SS", its epoch microseconds), swapped whole
+
+
+def ts_epoch_ms(ts: str) -> int:
+    """filters.to_epoch_ms(parse_ts(ts)), the same integer, cheaply: the date and time of day
+    are parsed once per second of records (the index and validate() read thousands a second)."""
+    global _parsed_second
+    if not isinstance(ts, str) or not _TS_RE.match(ts):
+        raise ValueError(f"bad audit timestamp {ts!r}: want YYYY-MM-DDTHH:MM:SS.mmmZ")
+    second, cached = ts[:19], _parsed_second
+    if cached[0] != second:
+        moment = datetime.fromisoformat(second).replace(tzinfo=timezone.utc)   # ValueError: no such date
+        cached = _parsed_second = (second, int(moment.timestamp()) * 1_000_000)
+    # datetime.timestamp() is the microseconds since the epoch / 10**6, correctly rounded: so is this
+    return int((cached[1] + int(ts[20:23]) * 1000) / 1_000_000 * 1000)
 
 
 def _strip_query(path: str) -> str:
@@ -143,14 +162,15 @@ def validate(record: Any) -> None:
     """Raise ValueError unless `record` fits the schema (missing optional keys are fine)."""
     if not isinstance(record, dict):
         raise ValueError(f"audit record must be a dict, not {type(record).__name__}")
-    unknown = [k for k in record if k not in FIELD_TYPES]
-    if unknown:
+    if not _KNOWN.issuperset(record):
+        unknown = [k for k in record if k not in FIELD_TYPES]
         raise ValueError(f"unknown audit record key(s): {', '.join(sorted(map(str, unknown)))}")
     for name in REQUIRED:
         if record.get(name) is None:
             raise ValueError(f"audit record is missing {name!r}")
+    exact = _EXACT_TYPES
     for name, value in record.items():
-        if value is None or type(value) in _EXACT_TYPES[name]:
+        if value is None or type(value) in exact[name]:
             continue   # the usual case, without isinstance calls; subclasses take the general check
         types = FIELD_TYPES[name]
         # bool is an int subclass; only would_deny may be a bool.
@@ -159,7 +179,7 @@ def validate(record: Any) -> None:
             raise ValueError(f"audit field {name!r} must be {want} or None, not {type(value).__name__}")
     if not _ID_RE.match(record["id"]):
         raise ValueError(f"audit id must be 32 lowercase hex chars, got {record['id']!r}")
-    parse_ts(record["ts"])
+    ts_epoch_ms(record["ts"])
     if record["event"] not in EVENTS:
         raise ValueError(f"unknown audit event {record['event']!r}; one of {sorted(EVENTS)}")
     if record.get("decision") is not None and record["decision"] not in DECISIONS:
@@ -187,7 +207,8 @@ _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=
 def to_line(record: dict[str, Any]) -> bytes:
     """Validate and serialise one record as a single JSON line (ASCII, ends in \\n)."""
     validate(record)
-    ordered = {name: record.get(name) for name in FIELDS}
+    ordered = _ALL_NONE.copy()
+    ordered.update(record)                  # (validate: no key outside FIELDS, so the order stays)
     try:
         text = _ENCODER.encode(ordered)
     except ValueError as exc:  # NaN / inf in duration_ms or extra
@@ -195,7 +216,7 @@ def to_line(record: dict[str, Any]) -> bytes:
     return text.encode("ascii") + b"\n"
 
 
-def from_line(line: bytes) -> dict[str, Any] | None:
+def from_line(line: bytes | str) -> dict[str, Any] | None:
     """Parse one complete line; None for garbage (torn or foreign lines are skipped)."""
     try:
         rec = json.loads(line)

@@ -135,6 +135,19 @@ def test_rebuild_from_scratch_and_garbage_lines_skipped(audit_dir):
     assert ids(idx.query(order="asc")) == ids([a, b])
 
 
+def test_a_foreign_utf8_line_is_indexed_as_before_and_invalid_utf8_skipped(audit_dir):
+    """to_line writes ASCII (the index parses it as str); a valid record written by something
+    else in raw UTF-8 is still indexed, and bytes that are no UTF-8 at all are garbage."""
+    foreign = rec(host="xn--caf-dma.example", path="/caf\u00e9")
+    with open(audit_dir / CURRENT_NAME, "ab") as f:
+        f.write(json.dumps(foreign, ensure_ascii=False).encode() + b"\n")
+        f.write(b'{"id": "\xff\xfe"}\n')
+    with AuditIndex(audit_dir / "idx.db", audit_dir) as idx:
+        assert idx.sync() == 1 and idx.bad_lines == 1
+        (got,) = idx.query()
+        assert got["id"] == foreign["id"] and got["host"] == foreign["host"]
+
+
 @pytest.mark.parametrize("damage", ["garbage", "other_version"])
 def test_corrupt_or_foreign_index_is_recreated(audit_dir, damage):
     with AuditLog(audit_dir, fsync="never") as log:

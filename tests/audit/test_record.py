@@ -63,3 +63,29 @@ def test_from_line_skips_garbage():
     assert from_line(b"not json\n") is None
     assert from_line(b'{"id":"x"}\n') is None
     assert from_line(b"[1,2]\n") is None
+
+
+def test_ts_epoch_ms_is_the_parsed_timestamp_in_ms():
+    """The index stores ts_epoch_ms; filters compare against to_epoch_ms(parse_ts(...)): the
+    same integer for every millisecond (float rounding included), across second boundaries."""
+    import random
+    from datetime import datetime, timedelta, timezone
+
+    from egress.audit.filters import to_epoch_ms
+    from egress.audit.record import format_ts, parse_ts, ts_epoch_ms
+    rnd = random.Random(11)
+    start = datetime(2026, 12, 1, 13, 0, 0, tzinfo=timezone.utc)
+    stamps = [format_ts(start + timedelta(milliseconds=ms)) for ms in range(3000)]
+    stamps += [format_ts(datetime.fromtimestamp(rnd.uniform(0, 4e9), timezone.utc)) for _ in range(3000)]
+    for ts in stamps:
+        assert ts_epoch_ms(ts) == to_epoch_ms(parse_ts(ts)), ts
+
+
+@pytest.mark.parametrize("ts", ["2026-02-30T10:00:00.000Z", "2026-12-01T24:00:00.000Z", "2026-12-01T10:00:00Z",
+                                "2026-12-01 10:00:00.000Z", 1700000000])
+def test_ts_epoch_ms_refuses_what_parse_ts_refuses(ts):
+    from egress.audit.record import ts_epoch_ms
+    with pytest.raises(ValueError):
+        ts_epoch_ms(ts)
+    with pytest.raises(ValueError):
+        validate({"id": "0" * 32, "ts": ts, "event": "decision"})

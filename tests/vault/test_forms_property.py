@@ -34,9 +34,10 @@ from urllib.parse import quote
 from hypothesis import HealthCheck, assume, given, seed, settings
 from hypothesis import strategies as st
 
-from vault.forms import (FAMILIES, MAX_ESCAPE_LEN, decode_round, decode_round_marked, normalize, starters,
-                         value_forms)
-from vault.scan import VIEWS, LeakFound, Needles, ScrubForms, StreamLeakScanner, StreamScrubber, Unscrubbable
+from vault.forms import (FAMILIES, MAX_ESCAPE_LEN, decode_round, decode_round_marked, has_escape, normalize,
+                         starters, value_forms)
+from vault.scan import (VIEWS, LeakFound, Needles, ScrubForms, StreamLeakScanner, StreamScrubber, Unscrubbable,
+                        _whole_views)
 
 _HUNT_SEED = os.environ.get("HYPOTHESIS_SEED")
 _SETTINGS = settings(max_examples=600 if _HUNT_SEED else 150, derandomize=not _HUNT_SEED,
@@ -305,6 +306,8 @@ def test_views_are_scanned_alike_whole_streamed_and_one_by_one(data):
     needles = Needles([("s", frozenset(forms))])
     expected = set().union(*(needles.find_raw(view) for view in _every_view(body)))
     assert needles.find(body) == expected
+    assert _whole_views(body) == set(_every_view(body))              # the small-buffer walk: every view
+    assert needles._find_in_streamed_views(body) == expected          # the large-buffer path, on a small one
     scanner = StreamLeakScanner(needles)
     try:
         for chunk in _chunks(data.draw, body):
@@ -378,3 +381,21 @@ def test_a_stream_round_stops_only_at_an_escape_more_bytes_could_change(atoms, f
         decode_round(whole, families=families)[0]
     rest = prefix[out.consumed:]
     assert len(rest) < MAX_ESCAPE_LEN and (not rest or rest[:1] in starters(families))
+
+
+@SETTINGS
+@given(st.lists(st.sampled_from(ATOMS + ["=", "?", "a=1", "&b"]), max_size=20).map(lambda xs: "".join(xs).encode()))
+def test_without_an_escape_a_round_changes_nothing(data):
+    """has_escape is what lets find() skip the views: where it says no, a round of those
+    families (and so every view, for all of them) is the data itself."""
+    for families in (FAMILIES, *(FAMILIES[i:i + 1] for i in range(len(FAMILIES)))):
+        if not has_escape(data, families):
+            assert decode_round(data, families=families)[0] == data
+    if not has_escape(data):
+        assert set(_every_view(data)) == {data}
+
+
+def test_a_query_string_starter_is_no_escape():
+    assert not has_escape(b"GET /a?x=1&y=2 HTTP/1.1\nUser-Agent: a+b\\c")
+    assert has_escape(b"/a?y=%20") and has_escape(b"&#41;") and has_escape(b"\\u0041") and has_escape(b"&amp;")
+    assert not has_escape(b"/a?y=%20", b"&") and has_escape(b"/a?y=%20", b"%")
