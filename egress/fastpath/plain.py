@@ -244,6 +244,7 @@ class _Upstream(asyncio.Protocol):
         self.writable = asyncio.Event()
         self.writable.set()
         self.target: tuple[str, int] | None = None
+        self.owner: str | None = None      # the sandbox it was opened for: reused for that one only
         self.claim = _UpstreamClaim()
 
     def connection_made(self, transport) -> None:
@@ -480,7 +481,7 @@ class PlainConn(asyncio.Protocol):
             verdict = await decide_destination(st, target.raw_host, target.port, policies=gate.policies,
                                                guard=gate.guard, resolver=gate.resolver, scheme="http",
                                                method=head.method, path=path_s,
-                                               connected_to=up.target if up is not None and not up.closed else None)
+                                               connected_to=self._reusable(up))
             if self.lost:
                 return False
             decision, refusal = verdict.decision, verdict.refusal
@@ -718,14 +719,34 @@ class PlainConn(asyncio.Protocol):
         return False
 
     # ------------------------------------------------------------ upstream
+    def _reusable(self, up: "_Upstream | None") -> tuple[str, int] | None:
+        """(host, port) of the upstream connection this request may reuse (same sandbox, still open)."""
+        if up is None or up.closed or up.owner != self.st.sandbox:
+            return None
+        return up.target
+
     async def _upstream_for(self, target: Target, addresses, head, path_s: str) -> bool:
-        """The kept-alive upstream connection for (host, port), or a new one (bounded: one at a time)."""
+        """The kept-alive upstream connection for (host, port) and this sandbox, or a new one
+        (bounded: one at a time)."""
         gate, st = self.gate, self.st
         want = (st.host, st.port)
-        if self.up is not None and (self.up.closed or self.up.target != want):
+        if self.up is not None and (self.up.closed or self.up.target != want or self.up.owner != st.sandbox):
             self._release_upstream()
         if self.up is not None:
             return True
+        if not addresses:
+            # Decided against the connection held then (no resolve); it closed since (an idle close
+            # while the body was read): resolve now, guarded, as decide_destination would have.
+            try:
+                addresses = await gate.resolver.resolve(st.host, st.port)
+            except netguard.DestinationBlocked as e:
+                self._upstream_failed(f"ssrf_{e.reason}", str(e))
+                return False
+            except netguard.DestinationUnresolvable as e:
+                self._upstream_failed("unresolvable", str(e))
+                return False
+            if self.lost:
+                return False
         up = _Upstream(self)
         if gate.max_connections_per_sandbox and not gate.claims.claim(
                 up.claim, _UpstreamOwner(upstream_key(st.sandbox))):
@@ -751,7 +772,7 @@ class PlainConn(asyncio.Protocol):
             if not self.lost:
                 self._upstream_failed("upstream_connect_timeout" if timed_out else "upstream_connect_failed", error)
             return False
-        up.target = want
+        up.target, up.owner = want, st.sandbox
         self.up = up
         peer = transport.get_extra_info("peername")
         st.upstream = f"{peer[0]}:{peer[1]}"

@@ -1,0 +1,356 @@
+"""Attack pass 3 on the fast plain-HTTP path (egress/fastpath/plain.py, http1.py), its CONNECT head
+parser, the destination decision (egress/destination.py) and the guarded uvloop.
+
+The sandbox code is hostile and knows our source; so, where it says so, is the upstream. Each
+test asserts the secure (or correct) behaviour: FINDING tests failed before their fix, the others
+pin a hypothesis that held. The lab: a real gateway (explicit + transparent, cubevs switch), the
+hostile upstream of testbed/hostile.py and one raw upstream of ours (ODD_SERVER) that misbehaves
+on purpose and logs every connection and request it reads.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from testbed.serving import spawn_upstream
+from tests.gateway import hostile_env as he
+from tests.gateway.hostile_env import KEY_A, MODES, SECOND, SINK, Env, parse_h1
+from tests.gateway.switchlab import switch_lab
+
+TPORT = 18093
+ODD_HOST, ODD_IP = "odd.allowed.test", "198.18.0.63"
+POLICY = he.POLICY.replace("sink.allowed.test]", f"sink.allowed.test, {ODD_HOST}]", 1)
+assert POLICY != he.POLICY
+
+# A keep-alive HTTP/1.1 upstream that misbehaves by path, and logs what it reads (JSON lines).
+ODD_SERVER = r"""
+import json, socket, sys, threading, time
+LOG = open(sys.argv[2], "a", buffering=1)
+lock = threading.Lock()
+n = [0]
+def log(**kw):
+    with lock:
+        LOG.write(json.dumps(kw) + "\n")
+def reply(body, extra=b""):
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+def serve(c, conn):
+    buf = b""
+    with c:
+        while True:
+            while b"\r\n\r\n" not in buf:
+                d = c.recv(65536)
+                if not d:
+                    return
+                buf += d
+            head, _, buf = buf.partition(b"\r\n\r\n")
+            lines = head.split(b"\r\n")
+            target = lines[0].split(b" ")[1].decode()
+            hdrs = [l.split(b":", 1) for l in lines[1:]]
+            cl = [int(v) for k, v in hdrs if k.strip().lower() == b"content-length"]
+            while cl and len(buf) < cl[0]:
+                d = c.recv(65536)
+                if not d:
+                    return
+                buf += d
+            body, buf = (buf[:cl[0]], buf[cl[0]:]) if cl else (b"", buf)
+            log(event="request", conn=conn, target=target, body=body.decode("latin-1"),
+                headers=[[k.decode("latin-1"), v.strip().decode("latin-1")] for k, v in hdrs])
+            if target.startswith("/poison-same"):      # a second response nobody asked for, same write
+                c.sendall(reply(b"first") + reply(b"POISON"))
+            elif target.startswith("/poison-later"):   # ... or a moment later, while the connection is idle
+                c.sendall(reply(b"first"))
+                time.sleep(0.3)
+                c.sendall(reply(b"POISON"))
+            elif target.startswith("/idle-close"):     # keep-alive answer, then an idle close (Node's 5 s, shortened)
+                c.sendall(reply(b"first"))
+                time.sleep(0.3)
+                return
+            else:
+                c.sendall(reply(("fresh " + target).encode()))
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 80)); s.listen(64)
+print("READY", flush=True)
+while True:
+    c, peer = s.accept()
+    n[0] += 1
+    log(event="connect", conn=n[0])
+    threading.Thread(target=serve, args=(c, n[0]), daemon=True).start()
+"""
+
+
+@contextmanager
+def _env(lab, tmp):
+    hostile = he.ensure_hostile(lab)
+    with switch_lab(lab, tmp, POLICY, sandbox=he.SANDBOX, tport=TPORT, prefix="a3",
+                    before_start=he.setup_vault) as (gw, sw, net):
+        out = gw.cli("identity", "placeholders", he.SANDBOX)
+        phs = dict(line.split("=", 1) for line in out.split() if "=" in line)
+        yield Env(gw, sw, net, hostile, phs["CUBEGATE_SECRET_HKEY"])
+
+
+@pytest.fixture(scope="module")
+def env(lab, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("attack3")
+    log_path = tmp / "odd.jsonl"
+    log_path.write_text("")
+    lab.add_host(ODD_HOST, ODD_IP)
+    popen = spawn_upstream(lab, [sys.executable, "-c", ODD_SERVER, ODD_IP, str(log_path)], "odd")
+    try:
+        with _env(lab, tmp) as e:
+            e.odd_log = log_path
+            yield e
+    finally:
+        popen.kill()
+        popen.wait(5)
+
+
+def _odd(env, marker: str | None = None, event: str = "request") -> list[dict]:
+    out = [json.loads(line) for line in env.odd_log.read_text().splitlines() if line.strip()]
+    out = [r for r in out if r["event"] == event]
+    return [r for r in out if marker is None or marker in r.get("target", "")]
+
+
+def _odd_connects(env) -> int:
+    return len(_odd(env, event="connect"))
+
+
+def _marker() -> str:
+    return "a3-" + os.urandom(5).hex()
+
+
+def _head(sb, path: str, *, host: str = ODD_HOST, method: str = "GET", headers=(), auth: str | None = None) -> bytes:
+    explicit = sb.mode == "explicit"
+    target = f"http://{host}{path}" if explicit else path
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {host}"] + [f"{k}: {v}" for k, v in headers]
+    if explicit:
+        lines.append(auth or sb.auth)
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def _read_one(sock: socket.socket, timeout: float = 5.0) -> tuple[int, bytes, bytes]:
+    """(status, head, body) of one Content-Length response; the rest stays in the socket."""
+    sock.settimeout(timeout)
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        d = sock.recv(65536)
+        if not d:
+            return 0, buf, b""
+        buf += d
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    n = 0
+    for line in head.split(b"\r\n")[1:]:
+        k, _, v = line.partition(b":")
+        if k.strip().lower() == b"content-length":
+            n = int(v)
+    while len(rest) < n:
+        d = sock.recv(65536)
+        if not d:
+            break
+        rest += d
+    assert len(rest) <= n, f"bytes after the response: {rest[n:][:100]!r}"
+    return status, head, rest[:n]
+
+
+def _addr(sb):
+    return ODD_IP
+
+
+# --------------------------------------------------------------- upstream response desync
+@pytest.mark.netns
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", ["poison-same", "poison-later"])
+def test_bytes_after_a_response_never_answer_the_next_request(env, mode, shape):
+    """HOLDS: an upstream that sends a second, unasked-for response (in the same write or while the
+    connection idles) cannot make it the answer to the sandbox's next request: the connection that
+    misbehaved is dropped and the next request gets its own, on a new upstream connection."""
+    sb = env.sandbox(mode)
+    m = _marker()
+    with sb.plain(_addr(sb)) as s:
+        s.sendall(_head(sb, f"/{shape}-{m}"))
+        status, _, body = _read_one(s)
+        assert (status, body) == (200, b"first")
+        time.sleep(0.6)
+        s.sendall(_head(sb, f"/next-{m}"))
+        status, _, body = _read_one(s)
+        assert status == 200 and body == f"fresh /next-{m}".encode(), body
+    assert [r["target"] for r in _odd(env, m)] == [f"/{shape}-{m}", f"/next-{m}"]
+
+
+# --------------------------------------------------------------- kept-alive upstream reuse
+@pytest.mark.netns
+@pytest.mark.parametrize("mode", MODES)
+def test_an_upstream_idle_close_while_a_body_is_held_reconnects(env, mode):
+    """FINDING: a request decided while the kept-alive upstream connection was open skips the resolve
+    (`connected_to`: no addresses). If that connection closed while the body was being held for the
+    leak check (an upstream's keep-alive timeout), the new connection had no address to dial: a
+    spurious 502 `upstream_connect_failed` ('no allowed address') for a good request."""
+    sb = env.sandbox(mode)
+    m = _marker()
+    with sb.plain(_addr(sb)) as s:
+        s.sendall(_head(sb, f"/idle-close-{m}"))
+        assert _read_one(s)[:1] == (200,)
+        s.sendall(_head(sb, f"/post-{m}", method="POST", headers=[("Content-Length", "5")]))
+        time.sleep(0.8)                 # the upstream closes its idle connection meanwhile
+        s.sendall(b"hello")
+        status, head, body = _read_one(s)
+    assert status == 200 and body == f"fresh /post-{m}".encode(), (head, body)
+    (got,) = _odd(env, f"/post-{m}")
+    assert got["body"] == "hello"
+
+
+@pytest.mark.netns
+def test_an_upstream_connection_is_not_shared_between_identities(env):
+    """FINDING: one explicit-proxy client connection may carry requests of two sandboxes (each
+    authenticates). The kept-alive upstream connection was reused for the second sandbox: keyed by
+    host:port only, counted in the first sandbox's upstream budget, its requests riding on a
+    connection the first one opened. It must be reused only for the same host:port and identity."""
+    sb = env.sandbox("explicit")
+    other = env.sandbox("explicit", SECOND)
+    m = _marker()
+    before = _odd_connects(env)
+    with sb.plain(_addr(sb)) as s:
+        s.sendall(_head(sb, f"/a-{m}"))
+        assert _read_one(s)[0] == 200
+        s.sendall(_head(sb, f"/b-{m}", auth=other.auth))
+        assert _read_one(s)[0] == 200
+        s.sendall(_head(sb, f"/c-{m}"))
+        assert _read_one(s)[0] == 200
+    assert len(_odd(env, m)) == 3
+    conns = [r["conn"] for r in _odd(env, m)]
+    assert conns[0] != conns[1] != conns[2], conns
+    assert _odd_connects(env) - before == 3
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("mode", MODES)
+def test_same_host_same_identity_keeps_one_upstream_connection(env, mode):
+    """HOLDS (and the fixes above keep it): keep-alive to the same host reuses one connection."""
+    sb = env.sandbox(mode)
+    m = _marker()
+    with sb.plain(_addr(sb)) as s:
+        for i in range(3):
+            s.sendall(_head(sb, f"/k{i}-{m}"))
+            assert _read_one(s)[0] == 200
+    assert len({r["conn"] for r in _odd(env, m)}) == 1
+
+
+# --------------------------------------------------------------- leak checks
+def _leak_refused(resp) -> bool:
+    return resp.status == 0 or (resp.status == 403 and resp.reason == "credential_leak")
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("where", ["chunks", "percent_query", "json_escaped_body", "split_headers"])
+def test_a_secret_in_another_spelling_or_split_is_refused(env, mode, where):
+    """HOLDS: the key (bound to hostile.allowed.test) sent to the sink split across chunks, percent-
+    encoded in the query, JSON-escaped (`\\/`) in a body, or split across two headers, is refused
+    before the upstream has it whole."""
+    sb = env.sandbox(mode)
+    m = _marker()
+    key = KEY_A.encode()
+    path, headers, body = f"/{m}", [], b""
+    if where == "chunks":
+        headers = [("Transfer-Encoding", "chunked")]
+        body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (key[:7], key[7:15], key[15:])) + b"0\r\n\r\n"
+    elif where == "percent_query":
+        path += "?k=" + "".join(f"%{b:02X}" for b in key)
+    elif where == "json_escaped_body":
+        data = b'{"k": "' + key.replace(b"/", b"\\/") + b'"}'
+        headers, body = [("Content-Type", "application/json"), ("Content-Length", str(len(data)))], data
+    else:
+        headers = [("X-A", KEY_A[:12]), ("X-B", KEY_A[12:])]
+    raw = _head(sb, path, host=SINK, method="POST" if body else "GET", headers=headers + [("Connection", "close")])
+    resp = sb.exchange("http", SINK, raw + body)
+    assert _leak_refused(resp), resp
+    for r in env.hostile.requests(m):
+        assert KEY_A.encode() not in r["body"] and r.get("body_complete") is not True, r
+
+
+# --------------------------------------------------------------- revocation vs. the resolve
+class _SlowDNS:
+    """A loopback DNS server (dnspython messages) that runs `during` before it answers a query:
+    a policy change that lands while the gateway waits for its resolve."""
+
+    def __init__(self, answer_ip: str, during) -> None:
+        import dns.message
+        import dns.rrset
+        self._msg, self._rrset = dns.message, dns.rrset
+        self.answer_ip, self.during = answer_ip, during
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(5)
+        self.port = self.sock.getsockname()[1]
+        self.queries = 0
+        self._stop = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop:
+            try:
+                data, peer = self.sock.recvfrom(4096)
+            except (socket.timeout, OSError):
+                return
+            q = self._msg.from_wire(data)
+            self.queries += 1
+            if self.queries == 1:
+                self.during()
+            r = self._msg.make_response(q)
+            question = q.question[0]
+            if question.rdtype == 1:   # A
+                r.answer.append(self._rrset.from_text(question.name, 0, "IN", "A", self.answer_ip))
+            self.sock.sendto(r.to_wire(), peer)
+
+    def close(self) -> None:
+        self._stop = True
+        self.sock.close()
+
+
+def test_a_revocation_during_the_resolve_is_not_missed(tmp_path):
+    """FINDING: decide_destination decides, then awaits the guarded resolve; the caller registers the
+    connection for revocation after it returns. A grant revoked (or a policy changed) while the
+    resolve was in flight was applied to the open connections before this one was registered, and
+    the stale allow was returned: the tunnel or request went out, and stayed open, under a policy
+    that denies it. The decision must be the one of the policy in force when the verdict is given."""
+    from egress.conn_state import ConnState
+    from egress.destination import DecisionCache, decide_destination
+    from egress.identity import Identity
+    from egress.netguard import AddressGuard, GuardedResolver
+    from egress.policy.live import LivePolicies
+    from egress.policy.reload import PolicyStore
+    from egress.policy.repo import PolicyRepo
+
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "base.yaml").write_text("name: base\ndefault: deny\nrules: []\n")
+    repo = PolicyRepo(tmp_path / "policies.db")
+    live = LivePolicies(PolicyStore(tmp_path / "p"), repo)
+    guard = AddressGuard(allow_cidrs=["198.18.0.0/15"])
+    try:
+        for cache in (None, DecisionCache()):
+            name = f"g{id(cache)}"
+            live.put_grant(name, {"applies_to": {"sandboxes": ["sb-1"]}, "hosts": ["slow.grant.test"]}, actor="t")
+            dns_server = _SlowDNS("198.18.0.99", lambda: live.delete_grant(name, actor="t", action="revoke"))
+            try:
+                resolver = GuardedResolver(guard, [f"127.0.0.1:{dns_server.port}"], timeout=3)
+                st = ConnState(conn_id="c1", client="x", started=0.0)
+                st.identity = Identity("sb-1", {})
+                verdict = asyncio.run(decide_destination(
+                    st, "slow.grant.test", 443, policies=live, guard=guard, resolver=resolver,
+                    scheme=None, method=None, path=None, cache=cache))
+            finally:
+                dns_server.close()
+            assert dns_server.queries >= 1, "the resolve never happened: the test proves nothing"
+            allowed = verdict.refusal is None and verdict.decision is not None and verdict.decision.action == "allow"
+            assert not allowed, f"stale allow after the grant was revoked mid-resolve: {verdict}"
+    finally:
+        repo.close()
