@@ -354,3 +354,44 @@ def test_a_revocation_during_the_resolve_is_not_missed(tmp_path):
             assert not allowed, f"stale allow after the grant was revoked mid-resolve: {verdict}"
     finally:
         repo.close()
+
+
+# --------------------------------------------------------------- guarded uvloop
+@pytest.mark.netns
+def test_ai_passive_on_a_connect_does_not_switch_the_guard_off(lab):
+    """FINDING (latent, no caller passes it today): getaddrinfo lets AI_PASSIVE lookups (binding)
+    through unguarded, and GuardedUVLoop passed a connect's own `flags` on to it: so
+    create_connection("2130706433", port, flags=AI_PASSIVE) (or a datagram endpoint's remote)
+    was resolved by libc and connected to loopback. A remote name is always guarded."""
+    from egress import netguard
+    from egress.guarded_uvloop import GuardedUVLoop
+    from egress.netguard import DestinationBlocked
+    from tests.netguard.test_guarded_uvloop import canary, make_resolver, run_in_lab
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        uninstall = netguard.install(loop, make_resolver(lab))
+        server, port, hits = await canary()
+        out = {}
+        try:
+            for name in ("2130706433", "127.1", "loopback.evil.test"):
+                for kind in ("stream", "datagram"):
+                    try:
+                        if kind == "stream":
+                            t, _ = await loop.create_connection(asyncio.Protocol, name, port, flags=socket.AI_PASSIVE)
+                        else:
+                            t, _ = await loop.create_datagram_endpoint(asyncio.DatagramProtocol,
+                                                                       remote_addr=(name, port),
+                                                                       flags=socket.AI_PASSIVE)
+                        t.close()
+                        out[(name, kind)] = "connected"
+                    except DestinationBlocked as e:
+                        out[(name, kind)] = e.reason
+        finally:
+            uninstall()
+            await asyncio.sleep(0.05)
+            server.close()
+        return out, len(hits)
+
+    out, hits = run_in_lab(lab, go, GuardedUVLoop)
+    assert hits == 0 and set(out.values()) == {"loopback"}, out
