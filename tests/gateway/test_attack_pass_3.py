@@ -164,6 +164,13 @@ def _addr(sb):
     return ODD_IP
 
 
+def _probe(sb, path: str):
+    """One request on a new connection (Connection: close), the response read until the close."""
+    with sb.plain(_addr(sb)) as s:
+        s.sendall(_head(sb, path)[:-2] + b"Connection: close\r\n\r\n")
+        return parse_h1(he.recv_until_close(s))
+
+
 # --------------------------------------------------------------- upstream response desync
 @pytest.mark.netns
 @pytest.mark.parametrize("mode", MODES)
@@ -395,3 +402,142 @@ def test_ai_passive_on_a_connect_does_not_switch_the_guard_off(lab):
 
     out, hits = run_in_lab(lab, go, GuardedUVLoop)
     assert hits == 0 and set(out.values()) == {"loopback"}, out
+
+
+# --------------------------------------------------------------- policy change mid keep-alive
+@pytest.mark.netns
+@pytest.mark.parametrize("mode", MODES)
+def test_a_policy_change_between_kept_alive_requests_is_not_missed(env, mode):
+    """HOLDS: the `connected_to` shortcut skips the resolve, never the decision: after the host is
+    removed from the policy, the next request on a connection (and an upstream connection) already
+    open to it is refused (or the connection revoked), and the upstream never sees it."""
+    sb = env.sandbox(mode)
+    m = _marker()
+    (policy,) = [p for p in env.gw.policy_dir.iterdir() if ODD_HOST in p.read_text()]
+    original = policy.read_text()
+    with sb.plain(_addr(sb)) as s:
+        s.sendall(_head(sb, f"/before-{m}"))
+        assert _read_one(s)[0] == 200
+        policy.write_text(original.replace(f", {ODD_HOST}]", "]", 1))
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:     # the files are polled: wait until a new connection is refused
+                probe = _probe(sb, f"/probe-{m}")
+                if probe.status == 403:
+                    break
+                time.sleep(0.2)
+            assert probe.status == 403, probe
+            try:
+                s.sendall(_head(sb, f"/after-{m}"))
+                status = _read_one(s)[0]
+            except OSError:
+                status = 0                          # revoked: reset
+            assert status in (0, 403), status
+        finally:
+            policy.write_text(original)
+    assert f"/after-{m}" not in [r["target"] for r in _odd(env, m)]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _probe(sb, "/restored").status != 200:
+        time.sleep(0.2)
+
+
+# --------------------------------------------------------------- CONNECT heads
+@pytest.mark.parametrize("host", ["2130706433", "0x7f.1", "0x7f000001", "017700000001", "127.1", "127.0.0.1.",
+                                  "0177.0.0.1", "0", "0.0.0.0", "[::1]", "[::ffff:127.0.0.1]", "[::ffff:7f00:1]",
+                                  "[64:ff9b::7f00:1]", "[2002:7f00:1::]", "[fe80::1]", "169.254.169.254",
+                                  "0xa9.0xfe.0xa9.0xfe", "224.0.0.1", "255.255.255.255"])
+def test_every_ip_spelling_the_connect_parser_accepts_is_guarded(host):
+    """HOLDS: what heads.parse_connect accepts as a host name (digits, hex, octal, short forms, a
+    trailing dot: `_REG_NAME` admits them) is an IP literal to decide_destination, and the SSRF guard
+    refuses it before any policy or resolve; nothing here is resolved as a name."""
+    from egress.conn_state import ConnState
+    from egress.destination import decide_destination
+    from egress.fastpath.heads import parse_connect
+    from egress.identity import Identity
+    from egress.netguard import AddressGuard
+
+    connect = parse_connect(f"CONNECT {host}:443 HTTP/1.1\r\nProxy-Authorization: Basic eDp5\r\n\r\n".encode())
+    if connect is None:
+        return                       # handed to mitmproxy, which the gate decides as before
+    st = ConnState(conn_id="c", client="x", started=0.0, identity=Identity("sb-1", {}))
+
+    class _NoPolicy:                 # never asked: the guard must refuse first
+        @property
+        def current(self):
+            raise AssertionError(f"{host}: decided by policy instead of the SSRF guard")
+
+    class _NoResolver:
+        async def resolve(self, *a):
+            raise AssertionError(f"{host}: resolved as a name")
+
+    verdict = asyncio.run(decide_destination(st, connect.host, connect.port, policies=_NoPolicy(),
+                                             guard=AddressGuard(), resolver=_NoResolver(),
+                                             scheme=None, method=None, path=None))
+    assert verdict.refusal is not None and verdict.refusal.reason.startswith("ssrf_"), verdict
+
+
+@pytest.mark.parametrize("head", [
+    b"CONNECT a.test:443 HTTP/1.1\r\nProxy-Authorization: Basic eDp5\r\nProxy-Authorization: Basic eDp5\r\n\r\n",
+    b"CONNECT a.test:443 HTTP/1.1\r\nproxy-authorization: Basic eDp5\r\nPROXY-AUTHORIZATION: Basic eDp6\r\n\r\n",
+])
+def test_two_proxy_authorizations_are_never_one_identity(head):
+    """HOLDS: two Proxy-Authorization headers (any case) give no credentials (→ 407), never the first."""
+    from egress.fastpath.heads import parse_connect
+    c = parse_connect(head)
+    assert c is None or (c.proxy_authorization is None and c.has_proxy_authorization)
+
+
+@pytest.mark.parametrize("target", [b"a.test:0443", b"a.test:65536", b"a.test:+443", b"[::1%25lo]:443", b"a.test%2e:443",
+                                    b"a\xc3\xa9.test:443", b"a.test :443", b"a.test:443:443", b"[::1:443",
+                                    b"a..test:443", b"." + b"a" * 64 + b".test:443", b"a.test:"])
+def test_odd_connect_targets_are_not_taken_by_the_fast_path(target):
+    """HOLDS: zero-padded/out-of-range ports, zone ids, percent-encoding, non-ASCII, empty labels and
+    over-long labels are not parsed by our strict CONNECT parser (mitmproxy gets them, as before)."""
+    from egress.fastpath.heads import parse_connect
+    assert parse_connect(b"CONNECT " + target + b" HTTP/1.1\r\n\r\n") is None
+
+
+# --------------------------------------------------------------- kernel splice off
+def _descendants(pid: int) -> list[int]:
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += kids.get(p, [])
+    return out
+
+
+@pytest.mark.netns
+def test_kernel_splice_off_attaches_nothing(env):
+    """HOLDS: with proxy.kernel_splice at its default (off) no process of the gateway holds a BPF
+    sockmap/sockhash or an sk_skb/sk_msg program (what cubevs.splice would load), however much
+    tunnel traffic passes; the setting is read from the daemon's settings only (no API sets it)."""
+    sb = env.sandbox("explicit")
+    for _ in range(3):
+        assert sb.get("https", SINK, "/splice-probe").status in (200, 404)
+    found = []
+    for pid in _descendants(env.gw.proc.pid):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fdinfo")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                info = open(f"/proc/{pid}/fdinfo/{fd}").read()
+            except OSError:
+                continue
+            for line in info.splitlines():
+                k, _, v = line.partition(":")
+                if (k == "map_type" and v.strip() in ("15", "18")) or (k == "prog_type" and v.strip() in ("14", "16")):
+                    found.append((pid, fd, line))
+    assert found == [], found
+    settings = (env.gw.dir / "settings.json").read_text() if (env.gw.dir / "settings.json").exists() else ""
+    assert "kernel_splice" not in settings or '"off"' in settings
