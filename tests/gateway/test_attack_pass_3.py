@@ -541,3 +541,36 @@ def test_kernel_splice_off_attaches_nothing(env):
     assert found == [], found
     settings = (env.gw.dir / "settings.json").read_text() if (env.gw.dir / "settings.json").exists() else ""
     assert "kernel_splice" not in settings or '"off"' in settings
+
+
+# --------------------------------------------------------------- Host: what we check is what goes out
+@pytest.mark.netns
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("value", [b"odd.allowed.test\xa0", b"\x85odd.allowed.test", b"odd.allowed.test\xa0:80",
+                                   b"odd.allowed.test\x1c", b"odd.allowed.test \t", b"", b"ODD.allowed.test.:80"])
+def test_a_host_header_is_forwarded_only_as_the_name_that_was_decided(env, mode, value):
+    """FINDING: the Host header names the destination (transparent) or must name the target
+    (explicit); it was checked after Python's str.strip(), which also strips NBSP (\\xa0), NEL (\\x85)
+    and \\x1c-\\x1f, but forwarded byte for byte. The upstream (a virtual-host router, a CDN) then read
+    a Host that is not the name we decided. A Host with such bytes is refused; plain OWS is trimmed."""
+    sb = env.sandbox(mode)
+    m = _marker()
+    path = f"/host-{m}"
+    target = f"http://{ODD_HOST}{path}" if sb.mode == "explicit" else path
+    lines = [f"GET {target} HTTP/1.1".encode(), b"Host: " + value, b"Connection: close"]
+    if sb.mode == "explicit":
+        lines.append(sb.auth.encode())
+    with sb.plain(_addr(sb)) as s:
+        s.sendall(b"\r\n".join(lines) + b"\r\n\r\n")
+        resp = parse_h1(he.recv_until_close(s))
+    got = _odd(env, m)
+    if value == b"" and mode == "transparent":
+        assert resp.status == 400 and got == [], resp       # no destination
+    elif value.strip(b" \t") in (ODD_HOST.encode(), b"", b"ODD.allowed.test.:80"):
+        assert resp.status == 200, resp
+        (req,) = got
+        sent = value.strip(b" \t").decode() if mode == "transparent" else ODD_HOST   # explicit: the target's
+        assert [v for k, v in req["headers"] if k.lower() == "host"] == [sent], req["headers"]
+    else:
+        assert resp.status == 400 and resp.reason in ("invalid_host", "bad_header_value"), resp
+        assert got == [], got
