@@ -257,7 +257,8 @@ def _leak_refused(resp) -> bool:
 
 @pytest.mark.netns
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("where", ["chunks", "percent_query", "json_escaped_body", "split_headers"])
+@pytest.mark.parametrize("where", ["chunks", "percent_query", "json_escaped_body", "split_headers", "hex_upper_body",
+                                   "base64_header", "placeholder_in_query"])
 def test_a_secret_in_another_spelling_or_split_is_refused(env, mode, where):
     """HOLDS: the key (bound to hostile.allowed.test) sent to the sink split across chunks, percent-
     encoded in the query, JSON-escaped (`\\/`) in a body, or split across two headers, is refused
@@ -274,6 +275,14 @@ def test_a_secret_in_another_spelling_or_split_is_refused(env, mode, where):
     elif where == "json_escaped_body":
         data = b'{"k": "' + key.replace(b"/", b"\\/") + b'"}'
         headers, body = [("Content-Type", "application/json"), ("Content-Length", str(len(data)))], data
+    elif where == "hex_upper_body":
+        data = key.hex().upper().encode()
+        headers, body = [("Content-Length", str(len(data)))], data
+    elif where == "base64_header":
+        import base64
+        headers = [("X-Token", base64.b64encode(b"user:" + key).decode())]
+    elif where == "placeholder_in_query":
+        path += "?k=" + env.placeholder
     else:
         headers = [("X-A", KEY_A[:12]), ("X-B", KEY_A[12:])]
     raw = _head(sb, path, host=SINK, method="POST" if body else "GET", headers=headers + [("Connection", "close")])
