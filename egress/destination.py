@@ -69,7 +69,8 @@ async def decide_destination(st: ConnState, raw_host: str, port: int, *, policie
     policy in force (egress.policy.effective: admin policies + grants + the sandbox's network options);
     `cache` (the fast path's) answers repeated connection-stage decisions of that same object.
     `connected_to`: the (host, port) of an upstream connection the caller already holds (its address
-    guarded when it was made): an allowed request to it is not resolved again (no addresses returned)."""
+    guarded when it was made): an allowed request to it is not resolved again (no addresses returned).
+    The verdict is that of the policy in force when it is returned (a change during the resolve is seen)."""
     literal = netguard.parse_ip_literal(raw_host)
     if literal is not None:
         reason = guard.check(literal, port)
@@ -88,7 +89,8 @@ async def decide_destination(st: ConnState, raw_host: str, port: int, *, policie
     identity = st.identity
     req = RequestInfo(sandbox_id=identity.sandbox_id, labels=identity.labels, host=host, port=port,
                       scheme=scheme, method=method, path=path, is_ip_literal=literal is not None)
-    decision = cache.decide(policies.current, req) if cache is not None else policies.current.decide(req)
+    policy = policies.current
+    decision = cache.decide(policy, req) if cache is not None else policy.decide(req)
     st.host, st.port = host, port
     if decision.action != "allow":
         return Verdict(decision, None)
@@ -106,6 +108,14 @@ async def decide_destination(st: ConnState, raw_host: str, port: int, *, policie
         return Verdict(decision, Refusal(403, f"ssrf_{e.reason}", str(e)))
     except netguard.DestinationUnresolvable as e:
         return Verdict(decision, Refusal(502, "unresolvable", str(e)))
+    if policies.current is not policy:
+        # The policy changed during the resolve: its revocation ran over the open connections before
+        # the caller could register this one, so the verdict must be the new policy's (decided again:
+        # pure, no await between this and the caller's registration).
+        policy = policies.current
+        decision = cache.decide(policy, req) if cache is not None else policy.decide(req)
+        if decision.action != "allow":
+            return Verdict(decision, None)
     return Verdict(decision, None, tuple(addresses))
 
 

@@ -67,6 +67,9 @@ class GuardedUVLoop(uvloop.Loop):
         return await self._guarded(host, port, family=family, type=type, proto=proto, flags=flags)
 
     async def _resolved(self, host, port, family: int, type_: int, proto: int, flags: int) -> list[tuple]:
+        # A remote to connect to: AI_PASSIVE (a binding lookup, which getaddrinfo passes unguarded)
+        # means nothing for a named host, so a caller's flags must not turn the guard off.
+        flags &= ~socket.AI_PASSIVE
         return [(fam, addr) for fam, _t, _p, _c, addr in
                 await self.getaddrinfo(host, port, family=family, type=type_, proto=proto, flags=flags)]
 

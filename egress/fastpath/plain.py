@@ -110,24 +110,40 @@ def _split_absolute(target: bytes) -> tuple[str, bytes]:
     return authority.decode("ascii"), path
 
 
+def host_values(head: http1.RequestHead) -> list[str]:
+    """Every Host header value without its OWS; ValueError for a byte that is not visible ASCII.
+    A host name is ASCII (RFC 3986): the checks below would otherwise decide on Python's str.strip()
+    of it (which also drops NBSP, NEL, \\x1c-\\x1f) while the upstream reads the bytes as sent."""
+    out = []
+    for v in head.get_all(b"host"):
+        v = v.strip(b" \t")
+        if any(not 0x21 <= b <= 0x7e for b in v):
+            raise ValueError("Host header with a byte that is not visible ASCII")
+        out.append(v.decode("ascii"))
+    return out
+
+
 def explicit_target(head: http1.RequestHead) -> Target | Refusal:
     """The absolute-form target decides; every Host header must name it (host and port)."""
     try:
         authority, path = _split_absolute(head.target)
         host, port = split_host_port(authority)
         want = canonical_host(host)
+        hosts = host_values(head)
     except (ValueError, UnicodeError) as e:
         return Refusal(400, "invalid_host", str(e)[:200])
     port = port or 80
     refusal = check_request_authority(want_host=want, want_port=port, scheme="http", authority="",
-                                      host_headers=[v.decode("latin-1") for v in head.get_all(b"host")],
-                                      normalize=canonical_host)
+                                      host_headers=hosts, normalize=canonical_host)
     return refusal or Target(host, port, path, authority)
 
 
 def transparent_target(head: http1.RequestHead, conn_port: int) -> Target | Refusal:
     """Mirrors the gate's _transparent_target: Host names the destination, on the dialled port."""
-    hosts = [v.decode("latin-1") for v in head.get_all(b"host")]
+    try:
+        hosts = host_values(head)
+    except ValueError as e:
+        return Refusal(400, "invalid_host", str(e))
     if not hosts:
         return Refusal(400, "host_missing", "transparent HTTP request without Host header: destination unknown")
     if len(hosts) > 1:
@@ -244,6 +260,7 @@ class _Upstream(asyncio.Protocol):
         self.writable = asyncio.Event()
         self.writable.set()
         self.target: tuple[str, int] | None = None
+        self.owner: str | None = None      # the sandbox it was opened for: reused for that one only
         self.claim = _UpstreamClaim()
 
     def connection_made(self, transport) -> None:
@@ -498,7 +515,7 @@ class PlainConn(asyncio.Protocol):
             verdict = await decide_destination(st, target.raw_host, target.port, policies=gate.policies,
                                                guard=gate.guard, resolver=gate.resolver, scheme="http",
                                                method=head.method, path=path_s,
-                                               connected_to=up.target if up is not None and not up.closed else None)
+                                               connected_to=self._reusable(up))
             if self.lost:
                 return False
             decision, refusal = verdict.decision, verdict.refusal
@@ -590,8 +607,12 @@ class PlainConn(asyncio.Protocol):
         if not await self._upstream_for(target, addresses, head, path_s):
             return False
         up = self.up
-        headers = [(k, v) for k, v in head.headers if k.lower() not in _DROP]
-        if not head.get_all(b"host"):
+        # llhttp keeps a value's trailing OWS, which is not part of it (RFC 9110 5.5): sent without
+        headers = [(k, v.rstrip(b" \t")) for k, v in head.headers if k.lower() not in _DROP]
+        if not self.st.transparent or not head.get_all(b"host"):
+            # Absolute form: the target's authority is the Host (RFC 9112 3.2.2: a proxy replaces the
+            # sandbox's, which was only checked to name the same host, e.g. an empty one passed)
+            headers = [(k, v) for k, v in headers if k.lower() != b"host"]
             headers.insert(0, (b"Host", target.authority.encode("ascii")))
         if head.has_body and held is None and head.get_all(b"expect"):
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")   # as mitmproxy does: we answer it
@@ -736,14 +757,34 @@ class PlainConn(asyncio.Protocol):
         return False
 
     # ------------------------------------------------------------ upstream
+    def _reusable(self, up: "_Upstream | None") -> tuple[str, int] | None:
+        """(host, port) of the upstream connection this request may reuse (same sandbox, still open)."""
+        if up is None or up.closed or up.owner != self.st.sandbox:
+            return None
+        return up.target
+
     async def _upstream_for(self, target: Target, addresses, head, path_s: str) -> bool:
-        """The kept-alive upstream connection for (host, port), or a new one (bounded: one at a time)."""
+        """The kept-alive upstream connection for (host, port) and this sandbox, or a new one
+        (bounded: one at a time)."""
         gate, st = self.gate, self.st
         want = (st.host, st.port)
-        if self.up is not None and (self.up.closed or self.up.target != want):
+        if self.up is not None and (self.up.closed or self.up.target != want or self.up.owner != st.sandbox):
             self._release_upstream()
         if self.up is not None:
             return True
+        if not addresses:
+            # Decided against the connection held then (no resolve); it closed since (an idle close
+            # while the body was read): resolve now, guarded, as decide_destination would have.
+            try:
+                addresses = await gate.resolver.resolve(st.host, st.port)
+            except netguard.DestinationBlocked as e:
+                self._upstream_failed(f"ssrf_{e.reason}", str(e))
+                return False
+            except netguard.DestinationUnresolvable as e:
+                self._upstream_failed("unresolvable", str(e))
+                return False
+            if self.lost:
+                return False
         up = _Upstream(self)
         if gate.max_connections_per_sandbox and not gate.claims.claim(
                 up.claim, _UpstreamOwner(upstream_key(st.sandbox))):
@@ -769,7 +810,7 @@ class PlainConn(asyncio.Protocol):
             if not self.lost:
                 self._upstream_failed("upstream_connect_timeout" if timed_out else "upstream_connect_failed", error)
             return False
-        up.target = want
+        up.target, up.owner = want, st.sandbox
         self.up = up
         peer = transport.get_extra_info("peername")
         st.upstream = f"{peer[0]}:{peer[1]}"
