@@ -464,7 +464,7 @@ def test_many_requests_and_connections_keep_gateway_memory_flat(env):
     """Per-request and per-connection state of the plain path is released: after a warm-up,
     4x as many requests (~1,250 connections) leave the gateway's RSS where it was. Measured
     growth without a leak: +0.9 to +2.6 MiB (allocator noise); an injected 4 KiB per request
-    adds ~10 MiB (measured): the bound is between. (The soak test's growth was not this path: see its report.)"""
+    adds ~10 MiB (measured): the bound is between."""
     sb = env.sandbox("explicit")
     m = _marker()
     _plain_round(env, sb, m + "w", 600)
