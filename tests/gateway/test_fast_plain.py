@@ -453,6 +453,36 @@ def test_256_mib_streams_in_bounded_memory(env, direction):
     assert peak[0] - base < 64 * MIB, f"gateway RSS grew by {(peak[0] - base) / MIB:.0f} MiB"
 
 
+def _plain_round(env, sb, m: str, n: int) -> None:
+    """n requests: half on keep-alive connections of 25, half one per connection, some with a body."""
+    i = 0
+    while i < n:
+        per_conn = 25 if (i // 25) % 2 == 0 else 1
+        with sb.plain(SINK) as s:
+            for _ in range(per_conn):
+                body = b"x" * 200 if i % 3 == 0 else b""
+                hdrs = [("Content-Length", str(len(body)))] if body else []
+                s.sendall(_head(sb, f"/{m}-{i}", method="POST" if body else "GET", headers=hdrs) + body)
+                resp = _read_response(s)
+                assert resp.status == 200, resp
+                i += 1
+
+
+def test_many_requests_and_connections_keep_gateway_memory_flat(env):
+    """Per-request and per-connection state of the plain path is released: after a warm-up,
+    4x as many requests (~1,250 connections) leave the gateway's RSS where it was. Measured
+    growth without a leak: +0.9 to +2.6 MiB (allocator noise); an injected 4 KiB per request
+    adds ~10 MiB (measured): the bound is between."""
+    sb = env.sandbox("explicit")
+    m = _marker()
+    _plain_round(env, sb, m + "w", 600)
+    base = _gateway_rss(env)
+    _plain_round(env, sb, m, 2400)
+    grew = _gateway_rss(env) - base
+    print(f"\ngateway RSS after 2400 plain requests: {grew / MIB:+.2f} MiB")
+    assert grew < 6 * MIB, f"gateway RSS grew by {grew / MIB:.1f} MiB over 2400 plain requests"
+
+
 # ------------------------------------------------------------------- fallback
 def test_bound_host_and_upgrade_are_handed_to_mitmproxy(env):
     sb = env.sandbox("explicit")

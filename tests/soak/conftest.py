@@ -6,7 +6,7 @@ import pytest
 from tests.soak import soakkit
 
 N_SANDBOXES = 50
-WARMUP_SECONDS = 3.0
+WARMUP_SECONDS = 8.0     # long enough for the allocators' high-water mark to settle (RSS then flat)
 LOAD_SECONDS = 20.0
 MAX_REQUESTS = 20_000       # count bound (the time bound ends it first on this machine)
 CONCURRENCY = 16            # sessions in flight at once, across the 50 sandboxes
