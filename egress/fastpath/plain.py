@@ -35,6 +35,7 @@ from egress import netguard, records
 from egress.bodies import (BodyRefused, RequestLeakStream, check_request_body, make_decoder)
 from egress.destination import AGENT_HOST, decide_destination, needs_interception
 from egress.fastpath import http1
+from egress.fastpath.dial import dial
 from egress.http_checks import (PROXY_ONLY_HEADERS, Refusal, check_framing, check_header_limits,
                                 check_request_authority, split_host_port)
 from egress.policy import normalize_host
@@ -790,25 +791,12 @@ class PlainConn(asyncio.Protocol):
                 up.claim, _UpstreamOwner(upstream_key(st.sandbox))):
             self._upstream_failed("sandbox_connection_limit", "the sandbox holds its limit of upstream connections")
             return False
-        loop = asyncio.get_running_loop()
-        error, timed_out, transport = "no allowed address", False, None
-        deadline = loop.time() + gate.connect_timeout if gate.connect_timeout else None
-        for _family, ip in addresses:
-            try:
-                remaining = None if deadline is None else max(0.001, deadline - loop.time())
-                transport, _ = await asyncio.wait_for(loop.create_connection(lambda: up, ip, st.port), remaining)
-                break
-            except (asyncio.TimeoutError, TimeoutError):
-                timed_out, error = True, f"no TCP connection within {gate.connect_timeout}s"
-                break
-            except OSError as e:
-                error = (e.strerror or type(e).__name__)[:300]
-            if self.lost:
-                break
+        d = await dial(lambda: up, addresses, st.port, gate.connect_timeout, lambda: self.lost)
+        transport = d.transport
         if transport is None:
             gate.claims.release(up.claim)
             if not self.lost:
-                self._upstream_failed("upstream_connect_timeout" if timed_out else "upstream_connect_failed", error)
+                self._upstream_failed(d.reason, d.error)
             return False
         up.target, up.owner = want, st.sandbox
         self.up = up

@@ -28,6 +28,7 @@ from egress import hook_guard, mitm_internals, netguard, records
 from egress.conn_state import ConnState
 from egress.destination import DecisionCache, decide_destination, needs_interception
 from egress.fastpath import heads
+from egress.fastpath.dial import dial
 from egress.fastpath.listeners import listen_sockets
 from egress.fastpath.relay import Relay, SpliceRelay
 from egress.http_checks import Refusal
@@ -407,34 +408,17 @@ class FastPath:
         gate, st = self.gate, c.st
         st.kind = "passthrough"
         c.timer_cancel()
-        loop = asyncio.get_running_loop()
         if self.splicer is not None:
             relay = SpliceRelay(c.transport, c.count_out, c.count_in, self.idle_timeout, self.splicer,
                                 on_spliced=self.outcomes("spliced").inc)
         else:
             relay = Relay(c.transport, c.count_out, c.count_in, self.idle_timeout)
-        error, timed_out = "no allowed address", False
-        deadline = loop.time() + gate.connect_timeout if gate.connect_timeout else None
-        transport = connected_ip = None
-        for _family, ip in addresses:
-            try:
-                remaining = None if deadline is None else max(0.001, deadline - loop.time())
-                transport, _ = await asyncio.wait_for(
-                    loop.create_connection(relay.upstream_protocol, ip, st.port), remaining)
-                connected_ip = ip
-                break
-            except (asyncio.TimeoutError, TimeoutError):
-                timed_out, error = True, f"no TCP connection within {gate.connect_timeout}s"
-                break
-            except OSError as e:
-                error = (e.strerror or type(e).__name__)[:300]
-            if c.lost:
-                break
+        d = await dial(relay.upstream_protocol, addresses, st.port, gate.connect_timeout, lambda: c.lost)
+        transport, connected_ip = d.transport, d.ip
         if transport is None:
-            reason = "upstream_connect_timeout" if timed_out else "upstream_connect_failed"
-            st.denied_reason = st.denied_reason or reason
-            self._audit("decision", st, decision="deny", reason=reason, status=502, extra={"error": error})
-            self._count(st, "deny", reason, "upstream")
+            st.denied_reason = st.denied_reason or d.reason
+            self._audit("decision", st, decision="deny", reason=d.reason, status=502, extra={"error": d.error})
+            self._count(st, "deny", d.reason, "upstream")
             c.finish(None)
             return
         # the address we dialled (a canonical literal, connected to as given): no getpeername needed
