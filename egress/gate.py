@@ -30,7 +30,7 @@ from egress.bodies import (BodyLimits, BodyRefused, BufferBudget, RefusedRespons
                            ResponseScrubStream, check_request_body, content_encoding, make_decoder,
                            scrub_response_body)
 from egress.http_checks import (PROXY_ONLY_HEADERS, Refusal, check_framing, check_header_limits,
-                                check_request_authority, is_websocket_upgrade, split_host_port)
+                                check_request_authority, is_websocket_upgrade, transparent_host)
 from egress.conn_state import ConnectionClaims, ConnState
 from egress.destination import AGENT_HOST, decide_destination, needs_interception
 from egress.identity import Identity, IdentityStore
@@ -737,18 +737,11 @@ class PolicyGate:
 
     @staticmethod
     def _transparent_target(flow: http.HTTPFlow, st: ConnState, host_hdr: str | None) -> Refusal | None:
-        hosts = flow.request.headers.get_all("host")
-        if not hosts:
-            return Refusal(400, "host_missing", "transparent HTTP request without Host header: destination unknown")
-        if len(hosts) > 1:
-            return Refusal(400, "duplicate_host", f"{len(hosts)} Host headers")
-        try:
-            hh, hp = split_host_port(hosts[0])
-        except ValueError as e:
-            return Refusal(400, "invalid_host", str(e))
         port = st.conn_port or 80
-        if hp is not None and hp != port:
-            return Refusal(421, "authority_mismatch", f"Host header names port {hp}, the connection is to port {port}")
+        checked = transparent_host(flow.request.headers.get_all("host"), port)
+        if isinstance(checked, Refusal):
+            return checked
+        hh = checked[0]
         if flow.request.authority:
             # An absolute-form target would reach the upstream as it is, and servers route by it
             # (RFC 9112 3.2.2), not by Host: it must name the same host and port, and goes out

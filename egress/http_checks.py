@@ -40,6 +40,21 @@ def split_host_port(authority: str) -> tuple[str, int | None]:
     return host, int(port_s)
 
 
+def transparent_host(hosts: list[str], conn_port: int) -> tuple[str, int | None] | Refusal:
+    """A transparent HTTP request's destination: its one Host header, on the port it dialled."""
+    if not hosts:
+        return Refusal(400, "host_missing", "transparent HTTP request without Host header: destination unknown")
+    if len(hosts) > 1:
+        return Refusal(400, "duplicate_host", f"{len(hosts)} Host headers")
+    try:
+        host, port = split_host_port(hosts[0])
+    except ValueError as e:
+        return Refusal(400, "invalid_host", str(e))
+    if port is not None and port != conn_port:
+        return Refusal(421, "authority_mismatch", f"Host header names port {port}, the connection is to port {conn_port}")
+    return host, port
+
+
 def check_header_limits(fields: Iterable[tuple[bytes, bytes]], *, max_count: int, max_bytes: int) -> Refusal | None:
     count = 0
     size = 0

@@ -37,7 +37,7 @@ from egress.destination import AGENT_HOST, decide_destination, needs_interceptio
 from egress.fastpath import http1
 from egress.fastpath.dial import dial
 from egress.http_checks import (PROXY_ONLY_HEADERS, Refusal, check_framing, check_header_limits,
-                                check_request_authority, split_host_port)
+                                check_request_authority, split_host_port, transparent_host)
 from egress.policy import normalize_host
 from egress.revocation import OpenConnection
 
@@ -140,21 +140,15 @@ def explicit_target(head: http1.RequestHead) -> Target | Refusal:
 
 
 def transparent_target(head: http1.RequestHead, conn_port: int) -> Target | Refusal:
-    """Mirrors the gate's _transparent_target: Host names the destination, on the dialled port."""
+    """Host names the destination, on the dialled port (as the gate's _transparent_target)."""
     try:
         hosts = host_values(head)
     except ValueError as e:
         return Refusal(400, "invalid_host", str(e))
-    if not hosts:
-        return Refusal(400, "host_missing", "transparent HTTP request without Host header: destination unknown")
-    if len(hosts) > 1:
-        return Refusal(400, "duplicate_host", f"{len(hosts)} Host headers")
-    try:
-        hh, hp = split_host_port(hosts[0])
-    except ValueError as e:
-        return Refusal(400, "invalid_host", str(e))
-    if hp is not None and hp != conn_port:
-        return Refusal(421, "authority_mismatch", f"Host header names port {hp}, the connection is to port {conn_port}")
+    checked = transparent_host(hosts, conn_port)
+    if isinstance(checked, Refusal):
+        return checked
+    hh = checked[0]
     path = head.target
     if not path.startswith(b"/"):
         try:

@@ -57,3 +57,21 @@ def test_default_port_follows_scheme():
 def test_ip_literal_spellings_compare_canonically():
     assert check("", ("0x7f.1",), host="127.0.0.1", port=443) is None
     assert check("", ("[::ffff:127.0.0.1]",), host="127.0.0.1", port=443) == (421, "authority_mismatch")
+
+
+@pytest.mark.parametrize("hosts,port,want", [
+    ([], 80, ("host_missing", 400)),
+    (["a.test", "b.test"], 80, ("duplicate_host", 400)),
+    (["a.test:8080"], 80, ("authority_mismatch", 421)),
+    (["a.test:x"], 80, ("invalid_host", 400)),
+])
+def test_transparent_host_refusals(hosts, port, want):
+    from egress.http_checks import Refusal, transparent_host
+    r = transparent_host(hosts, port)
+    assert isinstance(r, Refusal) and (r.reason, r.status) == want
+
+
+def test_transparent_host_is_the_one_host_on_the_dialled_port():
+    from egress.http_checks import transparent_host
+    assert transparent_host(["a.test"], 80) == ("a.test", None)
+    assert transparent_host(["a.test:80"], 80) == ("a.test", 80)
