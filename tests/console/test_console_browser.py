@@ -114,10 +114,14 @@ def test_the_console_in_a_browser(console, lab, driver, tmp_path):
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.support import expected_conditions as EC
     from selenium.webdriver.support.ui import WebDriverWait
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
 
     gw, fwd, token = console
     base = fwd.url
-    wait = WebDriverWait(driver, WAIT)
+    # A form post replaces the page: an element found on the old one goes stale between the
+    # find and the read; the next poll finds the new page's (a CI run failed on exactly that).
+    wait = WebDriverWait(driver, WAIT,
+                         ignored_exceptions=(NoSuchElementException, StaleElementReferenceException))
     shots = shots_dir(tmp_path)
     sources: list[str] = []
 
