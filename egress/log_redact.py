@@ -1,11 +1,13 @@
-"""Log lines from the proxy engine never carry request or response bytes.
+"""Log lines from the proxy engine and its libraries never carry request or response bytes.
 
-mitmproxy's messages quote what failed to parse ("Invalid header name b'...'"),
-and an "Addon error" carries a traceback whose frames hold body bytes — a key
-echoed by an upstream ends up in the daemon log. This filter sits on every
-handler: records from mitmproxy keep their logger, level and the shape of the
-message, with every quoted literal and anything after the first line removed,
-and no traceback (its exception's type name stays).
+mitmproxy's messages quote what failed to parse ("Invalid header name b'...'"), an
+"Addon error" carries the exception's text and a traceback whose frames hold body
+bytes, and at DEBUG hpack logs every header it adds to its table, name and value (the
+injected Authorization included). This filter sits on every handler: a record from any
+logger that is not ours keeps its logger, level and the shape of its message; its
+%-arguments are dropped (the library's own template stays), every quoted literal and
+anything after the first line is removed, a record carrying an exception keeps only
+the text before its first ": " and the exception's type name, never a traceback.
 """
 from __future__ import annotations
 
@@ -14,6 +16,11 @@ import re
 
 _QUOTED = re.compile(r"""b?'(?:[^'\\]|\\.)*'|b?"(?:[^"\\]|\\.)*"|<[^<>]*>""", re.S)
 _MAX = 300
+_OURS = frozenset({"cubegate", "egress", "vault", "sandbox_runtime", "cubevs", "httpkit"})   # our code logs no values
+
+
+def ours(logger_name: str) -> bool:
+    return logger_name.split(".", 1)[0] in _OURS
 
 
 def redact_engine_message(text: str) -> str:
@@ -23,14 +30,12 @@ def redact_engine_message(text: str) -> str:
 
 class EngineLogRedactor(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        if not record.name.startswith(("mitmproxy", "asyncio")):
+        if ours(record.name):
             return True
-        try:
-            text = record.getMessage()
-        except Exception:  # noqa: BLE001 - a broken format string must not leak its args either
-            text = str(record.msg)
+        text = str(record.msg)   # never the arguments: "Adding %s=%s to the header table"
         if record.exc_info and record.exc_info[0] is not None:
-            text += f" [{record.exc_info[0].__name__}]"
+            # "Addon error: <the exception's text>": the text may quote anything, unquoted
+            text = text.split("\n", 1)[0].split(": ", 1)[0] + f" [{record.exc_info[0].__name__}]"
         record.msg, record.args = redact_engine_message(text), None
         record.exc_info = record.exc_text = record.stack_info = None
         return True

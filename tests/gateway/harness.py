@@ -87,9 +87,10 @@ class Gateway:
             raise AssertionError(f"cubegate {' '.join(args)} failed ({r.returncode}): {r.stderr}")
         return r.stdout if check else r
 
-    def start(self, wait_ready: bool = True) -> "Gateway":
+    def start(self, wait_ready: bool = True, log_level: str | None = None) -> "Gateway":
         log = open(self.log_path, "ab")
-        self.proc = self.lab.spawn_gw([*CUBEGATE, "-c", str(self.settings_path), "run"], stdout=log, stderr=log,
+        level = ["--log-level", log_level] if log_level else []
+        self.proc = self.lab.spawn_gw([*CUBEGATE, "-c", str(self.settings_path), "run", *level], stdout=log, stderr=log,
                                       cwd=REPO, lab_dns=False)
         if wait_ready:
             self.wait_ready()

@@ -48,3 +48,22 @@ def test_format_args_are_redacted_too_and_only_the_first_line_kept():
 def test_our_own_loggers_are_untouched():
     out = _capture("cubegate.gate", lambda lg: lg.warning("policy %s reloaded", "'quoted'"))
     assert "'quoted'" in out
+
+
+def test_library_loggers_lose_their_arguments():
+    # hpack at DEBUG: "Adding b'authorization'=b'Bearer <key>' to the header table"
+    out = _capture("hpack.hpack", lambda lg: lg.warning("Adding %s=%s to the header table", "authorization",
+                                                         f"Bearer {KEY}"))
+    assert KEY not in out and "sk-live" not in out
+    assert "to the header table" in out
+
+
+def test_an_exceptions_unquoted_text_never_reaches_the_line():
+    def emit(lg):
+        try:
+            raise ValueError(f"bad value Bearer {KEY} in header")
+        except ValueError as e:
+            lg.error(f"Addon error: {e}", exc_info=True)
+    out = _capture("mitmproxy.addonmanager", emit)
+    assert KEY not in out and "sk-live" not in out
+    assert "Addon error [ValueError]" in out
