@@ -127,7 +127,9 @@ def test_an_addon_error_is_logged_and_the_next_addon_still_runs(master, loop, ca
     master.addons.add(Boom(), After())
     loop.run_until_complete(master.addons.handle_lifecycle(HttpRequestHeadersHook(tflow.tflow())))
     assert order == ["boom", "after"]
-    assert any("Addon error: boom" in r.getMessage() for r in caplog.records)
+    # logged by type only: an exception's text may quote what was sent (egress/log_redact.py)
+    assert any(r.getMessage() == "Addon error [ValueError]" for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
 
 
 def test_drain_addon_is_the_gateways_own(master):
