@@ -108,11 +108,51 @@ def install_safe_error_pages() -> None:
     for mod in _ERROR_MODULES:
         mod.format_error = _format_error
     _http1.make_error_response = _make_error_response
+    _install_h2_error_head()
 
 
 def safe_error_pages_installed() -> bool:
     return all(getattr(mod, "format_error", None) is _format_error for mod in _ERROR_MODULES) \
-        and _http1.make_error_response is _make_error_response
+        and _http1.make_error_response is _make_error_response \
+        and getattr(_http2.Http2Connection._handle_event, "_cubegate", False)
+
+
+def _h2_error_head(status: int, body_len: int) -> list[tuple[bytes, bytes]]:
+    """The head of an HTTP/2 error answer: the deny shape's headers (egress.records), without
+    the ones HTTP/2 forbids (Connection), instead of mitmproxy's Server and text/html."""
+    from egress import records
+    fields = [(k.encode(), v.encode()) for k, v in records.deny_headers("relay_failed").items()]
+    return _http2.normalize_h1_headers([(b":status", b"%d" % status), *fields,
+                                        (b"content-length", b"%d" % body_len)], False)
+
+
+def _install_h2_error_head() -> None:
+    """mitmproxy answers an HTTP/2 stream whose upstream failed with its own head (Server:
+    mitmproxy, text/html) around our body: this sends the whole answer ourselves, on the
+    same condition mitmproxy does (a response error, stream open, no head sent yet)."""
+    from mitmproxy.proxy.commands import SendData
+    from mitmproxy.proxy.layers.http import ResponseProtocolError
+
+    cls = _http2.Http2Connection
+    if getattr(cls._handle_event, "_cubegate", False):
+        return
+    original = cls._handle_event
+
+    def _handle_event(self, event):
+        if isinstance(event, ResponseProtocolError) and not self.is_closed(event.stream_id) \
+                and self.is_open_for_us(event.stream_id) \
+                and not self.h2_conn.streams[event.stream_id].state_machine.headers_sent:
+            status = event.code.http_status_code()
+            if status is not None:
+                body = _format_error(status, event.message)
+                self.h2_conn.send_headers(event.stream_id, _h2_error_head(status, len(body)))
+                self.h2_conn.send_data(event.stream_id, body, end_stream=True)
+                yield SendData(self.conn, self.h2_conn.data_to_send())
+                return
+        yield from original(self, event)
+
+    _handle_event._cubegate = True
+    cls._handle_event = _handle_event
 
 
 # -- HTTP/1 trailers ----------------------------------------------------------------
