@@ -32,7 +32,9 @@ In mitmproxy the natural place for that check is the ``server_connect`` hook
 wrapper too: keep UDP upstreams off or check them in the same hook.
 
 Binding (``AI_PASSIVE`` lookups made by ``create_server``) is not egress and is
-passed to the original ``getaddrinfo`` untouched. A listener on a wildcard
+passed to the original ``getaddrinfo`` untouched; a connection asked for with
+``flags=AI_PASSIVE`` has the flag taken off its remote's lookup (on both loops), so
+it cannot use that exemption. A listener on a wildcard
 address is reachable on every local address: build ``own_endpoints`` with
 ``expand_wildcard_endpoints(listeners, local_addresses())``.
 """
@@ -41,6 +43,8 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
+import inspect
 import ipaddress
 import re
 import socket
@@ -486,7 +490,8 @@ def install(loop: asyncio.AbstractEventLoop, resolver: GuardedResolver) -> Calla
     return an uninstall callable.
 
     The standard library loop: ``loop.getaddrinfo`` is wrapped (its create_connection,
-    sock_connect, ... all resolve through it). uvloop resolves in C and would bypass such a
+    sock_connect, ... all resolve through it), and the two that pass a caller's flags on
+    (create_connection, create_datagram_endpoint) drop AI_PASSIVE for a remote. uvloop resolves in C and would bypass such a
     wrapper, so of uvloop only egress.guarded_uvloop's subclass is accepted: it sends each
     of its resolving entry points through the guard. Any other loop raises TypeError.
     """
@@ -497,17 +502,40 @@ def install(loop: asyncio.AbstractEventLoop, resolver: GuardedResolver) -> Calla
     if not isinstance(loop, asyncio.base_events.BaseEventLoop):
         raise TypeError(f"netguard.install needs an asyncio BaseEventLoop or a GuardedUVLoop, "
                         f"not {type(loop).__name__}")
-    had_own = "getaddrinfo" in vars(loop)
+    names = ("getaddrinfo", "create_connection", "create_datagram_endpoint")
+    saved = {n: vars(loop)[n] for n in names if n in vars(loop)}
     previous = loop.getaddrinfo
     loop.getaddrinfo = _guarded_getaddrinfo(resolver, previous)  # type: ignore[method-assign]
+    loop.create_connection = _connecting(loop.create_connection, "host")  # type: ignore[method-assign]
+    loop.create_datagram_endpoint = _connecting(loop.create_datagram_endpoint,  # type: ignore[method-assign]
+                                                "remote_addr")
 
     def uninstall() -> None:
-        if had_own:
-            loop.getaddrinfo = previous  # type: ignore[method-assign]
-        else:
-            vars(loop).pop("getaddrinfo", None)
+        for n in names:
+            if n in saved:
+                setattr(loop, n, saved[n])
+            else:
+                vars(loop).pop(n, None)
 
     return uninstall
+
+
+def _connecting(method, remote: str):
+    """`method` (a stdlib loop's create_connection or create_datagram_endpoint) with
+    AI_PASSIVE taken out of its flags whenever it names a remote: asyncio hands the flags
+    to getaddrinfo, where AI_PASSIVE marks a binding lookup the guard passes unguarded,
+    so a caller's flags would otherwise resolve the upstream around the guard."""
+    params = list(inspect.signature(method).parameters)
+    position = params.index(remote)
+
+    @functools.wraps(method)
+    async def connect(*args, **kw):
+        named = kw.get(remote, args[position] if len(args) > position else None)
+        if named is not None and kw.get("flags", 0) & socket.AI_PASSIVE:
+            kw["flags"] &= ~socket.AI_PASSIVE
+        return await method(*args, **kw)
+
+    return connect
 
 
 def _guarded_uvloop_class():
