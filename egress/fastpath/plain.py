@@ -330,6 +330,7 @@ class PlainConn(asyncio.Protocol):
         self.resp_trailers = b""
         self.revoked = False
         self.lingering = False
+        self.linger_timer: asyncio.TimerHandle | None = None
         self.up_timer = None
         self.closed = asyncio.get_running_loop().create_future()
         self.out: list[bytes] | None = None    # response bytes collected during one upstream read
@@ -373,6 +374,9 @@ class PlainConn(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.lost = True
+        if self.linger_timer is not None:   # it would hold this connection for REFUSED_LINGER more
+            self.linger_timer.cancel()
+            self.linger_timer = None
         self.client_writable.set()
         self._poke()
         if self.up is not None:
@@ -976,7 +980,7 @@ class PlainConn(asyncio.Protocol):
         if self.eof:
             t.close()
         else:
-            asyncio.get_running_loop().call_later(REFUSED_LINGER, self._linger_over)
+            self.linger_timer = asyncio.get_running_loop().call_later(REFUSED_LINGER, self._linger_over)
 
     def _linger_over(self) -> None:
         self.lingering = False
