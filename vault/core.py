@@ -21,6 +21,10 @@ from .tokens import TokenStore
 MIN_VALUE_BYTES = 8
 MAX_VALUE_BYTES = 64 * 1024
 SECURE_SCHEMES = ("https", "wss")
+# resolve()'s selection cache: a sandbox picks the paths, so both the entries and the size
+# of each key are bounded; a longer request line is selected afresh every time
+_SELECTED_ENTRIES = 4096
+_SELECTED_KEY_CHARS = 1024
 PREVIOUS_VERSION_ACTIONS = ("keep", "disable", "destroy")
 
 
@@ -78,6 +82,7 @@ class Vault:
         self._keys: KeyRing | None = None
         self._lock = threading.RLock()
         self._gen = -1
+        self._mark: bytes | None = None        # the store's change_mark() when _gen was read
         self._bindings: dict[str, list[Binding]] = {}
         self._injections: dict[tuple[str, int], Injection] = {}
         self._active: dict[tuple[str, str], list[tuple]] = {}   # (tenant, secret) -> active version rows
@@ -331,9 +336,13 @@ class Vault:
     # -- caches ----------------------------------------------------------------
     def _refresh(self) -> None:
         """Reload bindings and drop derived caches when any process changed the store."""
+        mark = self._store.change_mark()      # read before the generation: a commit in between
+        if mark is not None and mark == self._mark:   # makes the next mark differ, never missed
+            return
         try:
             gen = self._store.generation()
             if gen == self._gen:
+                self._mark = mark
                 return
             by_tenant: dict[str, list[Binding]] = {}
             for b in self.list_bindings():
@@ -348,7 +357,7 @@ class Vault:
         self._selected.clear()
         self._leak_forms.clear()
         self._needles.clear()
-        self._gen = gen
+        self._gen, self._mark = gen, mark
 
     def _versions_rows(self, tenant: str, secret_id: str, states: tuple[str, ...]) -> list[tuple]:
         marks = ",".join("?" * len(states))
@@ -392,9 +401,10 @@ class Vault:
             binding = self._selected.get(key, False)
             if binding is False:    # the same request line on a keep-alive connection: selected once
                 binding = select(self._bindings.get(tenant, ()), host=host, port=port, method=method, path=path)
-                if len(self._selected) > 4096:
-                    self._selected.clear()
-                self._selected[key] = binding
+                if len(method) + len(key[4]) <= _SELECTED_KEY_CHARS:   # at most ~4 MiB of keys
+                    if len(self._selected) >= _SELECTED_ENTRIES:
+                        self._selected.clear()
+                    self._selected[key] = binding
             if binding is None:
                 return None
             if scheme.lower() not in SECURE_SCHEMES and not binding.match.allow_plaintext:

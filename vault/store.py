@@ -2,7 +2,8 @@
 
 WAL mode, one write transaction per change (BEGIN IMMEDIATE), a `generation`
 counter in meta bumped by every write so readers in this or another process
-see changes cheaply. secure_delete is on so destroyed ciphertexts are zeroed
+see changes cheaply; `change_mark()` tells, without a query, whether anything
+was committed since the last look. secure_delete is on so destroyed ciphertexts are zeroed
 in the file, and the WAL is checkpointed after a destroy.
 """
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Store:
         self.path = path
         self._conn = conn
         self._lock = threading.RLock()
+        self._shm_fd: int | None = None
 
     # -- opening -----------------------------------------------------------
     @classmethod
@@ -105,6 +107,9 @@ class Store:
 
     def close(self) -> None:
         with self._lock:
+            if self._shm_fd is not None:
+                os.close(self._shm_fd)
+                self._shm_fd = None
             self._conn.close()
 
     # -- transactions --------------------------------------------------------
@@ -140,6 +145,29 @@ class Store:
     def generation(self) -> int:
         with self._lock:
             return self._conn.execute("SELECT v FROM meta WHERE k = 'generation'").fetchone()[0]
+
+    # The WAL-index header: the first 96 bytes of the -shm file (two copies of a 48-byte header,
+    # https://www.sqlite.org/walformat.html). Every commit, by any connection of any process,
+    # rewrites it (the last frame, its checksum, the salts when the WAL restarts): the same
+    # bytes mean nothing was committed since. Our own connection, open for the Store's life,
+    # keeps the file from being truncated or replaced (SQLite does that only for the first
+    # or last connection to the database).
+    _WAL_INDEX_HEADER = 96
+
+    def change_mark(self) -> bytes | None:
+        """Bytes that differ after every commit to the store; None when they cannot be read
+        (the caller then asks the generation counter)."""
+        with self._lock:
+            if self._shm_fd is None:
+                try:
+                    self._shm_fd = os.open(self.path + "-shm", os.O_RDONLY | os.O_CLOEXEC)
+                except OSError:
+                    return None
+            try:
+                mark = os.pread(self._shm_fd, self._WAL_INDEX_HEADER, 0)
+            except OSError:
+                return None
+            return mark if len(mark) == self._WAL_INDEX_HEADER else None
 
     def meta(self, key: str) -> Any:
         rows = self.query("SELECT v FROM meta WHERE k = ?", (key,))
