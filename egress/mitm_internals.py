@@ -8,6 +8,7 @@ upstream bytes again).
 from __future__ import annotations
 
 import inspect
+import re
 import types
 
 from mitmproxy import addonmanager, connection, ctx, exceptions, flow, hooks, http
@@ -284,6 +285,9 @@ def install_head_limit(limit: int) -> None:
                                                                 ErrorCode.GENERIC_SERVER_ERROR))
                 self.buf = type(self.buf)()   # h11's ReceiveBuffer has no clear(): a new, empty one
                 return
+            if side == "server" and isinstance(event, events.DataReceived):
+                if (yield from _swallow_h1_informational(self, limit)):
+                    return
             yield from original(self, event)
         read_headers._cubegate_limit = limit
         return read_headers
@@ -293,12 +297,84 @@ def install_head_limit(limit: int) -> None:
         patched = bounded(original, side)
         patched._cubegate_original = original
         cls.read_headers = patched
+    _install_h2_informational_limit(limit)
+
+
+# -- 1xx heads from an upstream -------------------------------------------------------------
+# mitmproxy swallows an HTTP/2 upstream's informational responses without a count (a flood
+# ends only with upstream_timeout), and over HTTP/1 takes the first 1xx for the answer itself
+# (the sandbox gets a 103 and then waits). Both now swallow them, at most MAX_INFORMATIONAL
+# heads (egress.fastpath.http1.ResponseReader, the fast path's bound) and `max_bytes` of them
+# per response; more is the upstream's protocol error (502 relay_failed to the sandbox).
+_INFORMATIONAL_HEAD = re.compile(rb"HTTP/1\.[01] 1(?!01)\d\d[ \r\n]")
+_HEAD_END = re.compile(rb"\r?\n\r?\n")
+TOO_MANY_INFORMATIONAL = "upstream sent too many informational (1xx) responses"
+
+
+def _informational_bound() -> int:
+    from egress.fastpath.http1 import ResponseReader
+    return ResponseReader.MAX_INFORMATIONAL
+
+
+def _count_informational(conn, stream_id: int, size: int, max_bytes: int) -> bool:
+    """Count one 1xx head of `stream_id` on an upstream connection; False past the bound."""
+    seen = conn.__dict__.setdefault("_cubegate_1xx", {})
+    n, total = seen.get(stream_id, (0, 0))
+    n, total = n + 1, total + size
+    seen[stream_id] = (n, total)
+    return n <= _informational_bound() and total <= max_bytes
+
+
+def _swallow_h1_informational(self, max_bytes: int):
+    """Drop the complete 1xx heads at the front of an HTTP/1 upstream's buffer (h11's
+    ReceiveBuffer: its bytes are `_data`). Yields the refusal and returns True past the bound."""
+    from mitmproxy.proxy import commands
+    from mitmproxy.proxy.layers.http._base import ReceiveHttp
+    from mitmproxy.proxy.layers.http._events import ErrorCode, ResponseProtocolError
+
+    while self.request is not None and self.stream_id is not None:
+        data = self.buf._data
+        if not _INFORMATIONAL_HEAD.match(data):
+            return False
+        end = _HEAD_END.search(data)
+        if end is None:
+            return False      # incomplete: wait (the head limit bounds it)
+        if not _count_informational(self, self.stream_id, end.end(), max_bytes):
+            yield commands.CloseConnection(self.conn)
+            yield ReceiveHttp(ResponseProtocolError(self.stream_id, TOO_MANY_INFORMATIONAL,
+                                                    ErrorCode.GENERIC_SERVER_ERROR))
+            self.buf = type(self.buf)()
+            return True
+        self.buf.maybe_extract_at_most(end.end())
+    return False
+
+
+def _install_h2_informational_limit(max_bytes: int) -> None:
+    import h2.events
+
+    cls = _http2.Http2Client
+    original = getattr(cls.handle_h2_event, "_cubegate_original", cls.handle_h2_event)
+
+    def handle_h2_event(self, event):
+        if isinstance(event, h2.events.InformationalResponseReceived):
+            size = sum(len(k) + len(v) + 32 for k, v in event.headers)   # RFC 9113 6.5.2's header size
+            if not _count_informational(self, event.stream_id, size, max_bytes):
+                yield from self.protocol_error(TOO_MANY_INFORMATIONAL)
+                return True
+        elif isinstance(event, (h2.events.ResponseReceived, h2.events.StreamReset, h2.events.StreamEnded)):
+            self.__dict__.get("_cubegate_1xx", {}).pop(event.stream_id, None)
+        return (yield from original(self, event))
+
+    handle_h2_event._cubegate_original = original
+    handle_h2_event._cubegate_limit = max_bytes
+    cls.handle_h2_event = handle_h2_event
 
 
 def head_limit_installed() -> int | None:
     a = getattr(_http1.Http1Server.read_headers, "_cubegate_limit", None)
     b = getattr(_http1.Http1Client.read_headers, "_cubegate_limit", None)
-    return a if a == b else None
+    c = getattr(_http2.Http2Client.handle_h2_event, "_cubegate_limit", None)
+    return a if a == b == c else None
 
 
 def _refusal_bytes(status: int, reason: str, detail: str) -> bytes:

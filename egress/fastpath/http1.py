@@ -190,7 +190,10 @@ class ResponseReader:
 
     The sink gets: head(status, reason, headers, body_framing) where body_framing is
     "none" | "length" | "chunked" | "close"; body(bytes); trailers(list); end(keep_alive);
-    error(why). A response head over `max_head_bytes` or any framing error is an error."""
+    error(why). A response head over `max_head_bytes`, more than MAX_INFORMATIONAL 1xx
+    heads or more than `max_head_bytes` of them, or any framing error is an error."""
+
+    MAX_INFORMATIONAL = 32      # 1xx heads before one response (a flood is bounded, not timed out)
 
     def __init__(self, sink, *, head_request: bool, max_head_bytes: int) -> None:
         self.sink = sink
@@ -202,6 +205,9 @@ class ResponseReader:
         self._reason = b""
         self._in_head = True
         self._head_bytes = 0
+        self._informational = 0
+        self._informational_bytes = 0
+        self._why: str | None = None     # a callback's own refusal (llhttp reports "callback error")
         self.framing = None
         self.done = False
         self.failed = False
@@ -218,7 +224,7 @@ class ResponseReader:
         except httptools.HttpParserUpgrade:
             self._fail("upgrade")
         except httptools.HttpParserError as e:
-            self._fail(str(e)[:200] or "parse error")
+            self._fail(self._why or str(e)[:200] or "parse error")
         if self._in_head and self._head_bytes > self.max_head_bytes:
             self._fail("upstream response head too large")    # a head that never ends (bounded)
 
@@ -261,6 +267,11 @@ class ResponseReader:
         if 100 <= status < 200:
             if status == 101:
                 raise httptools.HttpParserError("101 without an upgrade request")
+            self._informational += 1
+            self._informational_bytes += 16 + len(self._reason) + sum(len(k) + len(v) + 4 for k, v in self._headers)
+            if self._informational > self.MAX_INFORMATIONAL or self._informational_bytes > self.max_head_bytes:
+                self._why = f"more than {self.MAX_INFORMATIONAL} informational (1xx) responses or their bytes"
+                raise httptools.HttpParserError(self._why)
             self.sink.head(status, bytes(self._reason), self._headers, "none")
             self._in_head = True       # the final response follows
             self._head_bytes = 0
