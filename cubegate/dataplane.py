@@ -93,6 +93,10 @@ class DataPlane:
         )
         # A change (API, grant, expiry, file) closes open connections the new policy denies.
         policies.on_change(lambda old, new: self.gate.revoke_where(denied_by(new)))
+        # A sandbox relabelled (policy by label) has its open connections re-decided the same way.
+        from egress.identity import LabelWatch
+        self._policies = policies
+        self._labels = LabelWatch(identities)
         self.master = build_master(
             gate=self.gate, listen_host=s.proxy.listen_host, explicit_port=s.proxy.explicit_port,
             transparent_port=s.proxy.transparent_port, confdir=str(s.ca_dir),
@@ -124,6 +128,12 @@ class DataPlane:
             await self.master.run()
         except SystemExit as e:  # mitmproxy's errorcheck: an ERROR was logged during startup
             raise RuntimeError(f"mitmproxy exited ({e.code}): an error was logged during startup") from None
+
+    def check_labels(self) -> None:
+        """Polled: re-decide the open connections of every sandbox relabelled since the last look."""
+        changed = self._labels.changed()
+        if changed:
+            self.gate.relabel(changed, self._policies.current)
 
     def listeners_ready(self) -> tuple[bool, str]:
         from egress.engine import listeners_bound

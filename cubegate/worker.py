@@ -205,6 +205,10 @@ class Worker:
         while True:
             await asyncio.sleep(interval)
             self._refresh()
+            try:
+                self.dataplane.check_labels()   # relabelled sandboxes: their connections re-decided
+            except Exception:   # noqa: BLE001 - keep watching; the next look compares again
+                log.exception("label watch iteration failed")
 
 
 def _fds(arg: str) -> list[socket.socket]:

@@ -18,8 +18,8 @@ import inspect
 import json
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Protocol
 
 from mitmproxy import connection, ctx, http, tls
 from mitmproxy.proxy import layers, server_hooks
@@ -37,7 +37,7 @@ from egress.identity import Identity, IdentityStore
 from egress import records
 from egress.metrics import GatewayMetrics
 from egress.policy import Decision, RequestInfo, normalize_host
-from egress.revocation import Closer, OpenConnection, Predicate, Registered
+from egress.revocation import Closer, OpenConnection, Predicate, Registered, denied_by
 
 __all__ = ["AGENT_HOST", "ConnState", "PolicyGate"]   # ConnState/AGENT_HOST live in egress.conn_state/destination; re-exported
 
@@ -217,6 +217,30 @@ class PolicyGate:
                 except Exception:   # one path's failure must not stop the others being closed
                     log.exception("closing a revoked connection failed")
         return revoked
+
+    def relabel(self, labels: Mapping[str, Mapping[str, str]], policy) -> list[tuple[OpenConnection, str]]:
+        """Sandboxes whose labels changed (sandbox id → its labels now): their open connections
+        are re-decided with the new labels as on a policy change, and the ones `policy` now denies
+        are closed (policy_revoked). Ours carry the new labels on, so every later request is
+        decided with them; another path's connection is re-registered with them when nothing is
+        decided after its CONNECT (a passthrough tunnel), and closed otherwise: its per-request
+        state holds the old labels, out of our reach."""
+        if not labels:
+            return []
+        for st in list(self.conns.values()):
+            if st.identity is not None and st.identity.sandbox_id in labels:
+                st.identity = Identity(st.identity.sandbox_id, dict(labels[st.identity.sandbox_id]))
+        stale = set()
+        for conn, close in self.registered.items():
+            if conn.sandbox_id not in labels:
+                continue
+            if conn.kind in ("passthrough", "tcp"):
+                self.registered.register(replace(conn, labels=dict(labels[conn.sandbox_id])), close)
+            else:
+                stale.add(conn.conn_id)
+        check = denied_by(policy)
+        return self.revoke_where(lambda c: "labels_changed" if c.conn_id in stale
+                                 else check(c) if c.sandbox_id in labels else None)
 
     # ------------------------------------------------------------ fail closed
     def hook_failed(self, hook: str, args: tuple, exc: Exception) -> None:

@@ -125,6 +125,16 @@ class IdentityStore:
             rows = self._db.execute("SELECT sandbox_id, labels FROM identities ORDER BY sandbox_id").fetchall()
         return [Identity(r[0], json.loads(r[1])) for r in rows]
 
+    def labels_by_sandbox(self) -> dict[str, dict[str, str]]:
+        with self._lock:
+            rows = self._db.execute("SELECT sandbox_id, labels FROM identities").fetchall()
+        return {r[0]: json.loads(r[1]) for r in rows}
+
+    def data_version(self) -> int:
+        """Changes when another connection (another process) commits to the database."""
+        with self._lock:
+            return self._db.execute("PRAGMA data_version").fetchone()[0]
+
     def _cached(self, key: tuple[str, str]) -> Identity | None:
         """Caller holds the lock. data_version changes when another connection commits."""
         version = self._db.execute("PRAGMA data_version").fetchone()[0]
@@ -156,3 +166,26 @@ class IdentityStore:
     def authenticate_header(self, value: str | None) -> Identity | None:
         creds = parse_proxy_authorization(value)
         return self.authenticate(*creds) if creds else None
+
+
+class LabelWatch:
+    """Which sandboxes' labels changed since the last look (`identity add --replace` or `rm` in
+    another process): sandbox id → its labels now ({} once its identity is gone, as a
+    transparent connection from its address would be decided). One PRAGMA per look while
+    nothing changed; the whole table is read only after a commit."""
+
+    def __init__(self, store: IdentityStore) -> None:
+        self.store = store
+        self._version = store.data_version()
+        self._labels = store.labels_by_sandbox()
+
+    def changed(self) -> dict[str, dict[str, str]]:
+        version = self.store.data_version()
+        if version == self._version:
+            return {}
+        self._version = version   # before the read: a commit during it is seen on the next look
+        now = self.store.labels_by_sandbox()
+        out = {sid: now.get(sid, {}) for sid in now.keys() | self._labels.keys()
+               if now.get(sid, {}) != self._labels.get(sid, {})}
+        self._labels = now
+        return out
