@@ -316,11 +316,14 @@ def _informational_bound() -> int:
     return ResponseReader.MAX_INFORMATIONAL
 
 
-def _count_informational(conn, stream_id: int, size: int, max_bytes: int) -> bool:
-    """Count one 1xx head of `stream_id` on an upstream connection; False past the bound."""
+def _count_informational(conn, stream_id: int, size: int, max_bytes: int, *, one_stream: bool = False) -> bool:
+    """Count one 1xx head of `stream_id` on an upstream connection; False past the bound.
+    one_stream: HTTP/1 answers one request at a time, so only the current one is kept."""
     seen = conn.__dict__.setdefault("_cubegate_1xx", {})
     n, total = seen.get(stream_id, (0, 0))
     n, total = n + 1, total + size
+    if one_stream:
+        seen.clear()
     seen[stream_id] = (n, total)
     return n <= _informational_bound() and total <= max_bytes
 
@@ -339,7 +342,7 @@ def _swallow_h1_informational(self, max_bytes: int):
         end = _HEAD_END.search(data)
         if end is None:
             return False      # incomplete: wait (the head limit bounds it)
-        if not _count_informational(self, self.stream_id, end.end(), max_bytes):
+        if not _count_informational(self, self.stream_id, end.end(), max_bytes, one_stream=True):
             yield commands.CloseConnection(self.conn)
             yield ReceiveHttp(ResponseProtocolError(self.stream_id, TOO_MANY_INFORMATIONAL,
                                                     ErrorCode.GENERIC_SERVER_ERROR))
