@@ -164,6 +164,10 @@ class Store:
                 except OSError:
                     return None
             try:
+                if os.fstat(self._shm_fd).st_nlink == 0:   # unlinked after all: the live one is another file
+                    os.close(self._shm_fd)
+                    self._shm_fd = None
+                    return None
                 mark = os.pread(self._shm_fd, self._WAL_INDEX_HEADER, 0)
             except OSError:
                 return None

@@ -2,6 +2,7 @@
 and stays small whatever paths a sandbox sends."""
 from __future__ import annotations
 
+import os
 import tracemalloc
 
 from vault import Vault
@@ -59,3 +60,12 @@ def test_selection_cache_stays_small_against_endless_long_paths(bound_vault):
         tracemalloc.stop()
     assert held < 4 << 20, f"the selection cache holds {held >> 20} MiB after 6000 distinct long paths"
     assert _resolve(bound_vault, path="/v1/models/" + "b" * 8192).binding_id == "b-openai"
+
+
+
+def test_an_unlinked_wal_index_file_gives_no_mark(bound_vault, vault_path):
+    """Fail closed: a -shm file nobody writes any more (unlinked) never says "unchanged"."""
+    store = bound_vault._store
+    assert store.change_mark() is not None
+    os.unlink(str(vault_path) + "-shm")
+    assert store.change_mark() is None
