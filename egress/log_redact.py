@@ -32,7 +32,8 @@ class EngineLogRedactor(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if ours(record.name):
             return True
-        text = str(record.msg)   # never the arguments: "Adding %s=%s to the header table"
+        # never the arguments ("Adding %s=%s to the header table"), nor an object's text (logger.error(exc))
+        text = record.msg if isinstance(record.msg, str) else f"[{type(record.msg).__name__}]"
         if record.exc_info and record.exc_info[0] is not None:
             # "Addon error: <the exception's text>": the text may quote anything, unquoted
             text = text.split("\n", 1)[0].split(": ", 1)[0] + f" [{record.exc_info[0].__name__}]"

@@ -67,3 +67,8 @@ def test_an_exceptions_unquoted_text_never_reaches_the_line():
     out = _capture("mitmproxy.addonmanager", emit)
     assert KEY not in out and "sk-live" not in out
     assert "Addon error [ValueError]" in out
+
+
+def test_a_logged_object_is_named_by_its_type_only():
+    out = _capture("tornado.general", lambda lg: lg.error(ValueError(f"header Bearer {KEY}")))
+    assert KEY not in out and "ValueError" in out
