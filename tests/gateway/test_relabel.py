@@ -42,9 +42,9 @@ rules:
 """
 
 
-def _hold_then(connect, host: str, cafile: str, change) -> dict:
+def _hold_then(connect, host: str, cafile: str, change, window: float = 4.0) -> dict:
     """A TLS keep-alive connection to `host` (raw socket from connect()), one answer read,
-    then change(); whether the gateway closes it within 4 s afterwards."""
+    then change(); whether the gateway closes it within `window` seconds afterwards."""
     tls = ssl.create_default_context(cafile=cafile).wrap_socket(connect(), server_hostname=host)
     tls.settimeout(5)
     tls.sendall(f"GET /held HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
@@ -54,7 +54,7 @@ def _hold_then(connect, host: str, cafile: str, change) -> dict:
     t0 = time.monotonic()
     tls.settimeout(0.5)
     closed = False
-    while time.monotonic() - t0 < 4 and not closed:
+    while time.monotonic() - t0 < window and not closed:
         try:
             closed = tls.recv(65536) == b""
         except socket.timeout:
@@ -79,7 +79,8 @@ def _revoked(gw, sandbox: str, host: str) -> dict:
 @pytest.fixture(scope="module")
 def egw(lab, tmp_path_factory):
     gw = Gateway(lab, tmp_path_factory.mktemp("relabel"), {"a.yaml": TEAM_A, "b.yaml": TEAM_B},
-                 sandboxes={"sb-r1": {"team": "a"}, "sb-r2": {"team": "a"}, "sb-r3": {"team": "a"}})
+                 sandboxes={"sb-r1": {"team": "a"}, "sb-r2": {"team": "a"}, "sb-r3": {"team": "a"},
+                            "sb-r4": {"team": "a"}})
     gw.cli("vault", "init")
     gw.cli("vault", "secret", "put", "acme", "k", input="relabel-key-5f6e7d8c\n")
     gw.cli("vault", "binding", "add", "--id", "b-echo", "--tenant", "acme", "--secret", "k",
@@ -112,6 +113,26 @@ def test_explicit_tunnel_the_new_labels_allow_stays_open(egw, lab):
                       str(lab.ca.bundle_path), lambda: _relabel(egw, "sb-r2", "b"))
     assert not out["closed"], out
     assert not [r for r in egw.audit_records() if r.get("reason") == "policy_revoked" and r.get("sandbox") == "sb-r2"]
+
+
+def test_a_kept_connection_is_decided_with_its_new_labels_on_the_next_policy_change(egw, lab):
+    """Kept open on relabel (team b allows it too), then team b's policy stops allowing it:
+    the policy change must see the connection's new labels (with the old ones, team a's
+    policy would keep it open)."""
+    b_file = egw.policy_dir / "b.yaml"
+
+    def relabel_then_narrow_team_b():
+        _relabel(egw, "sb-r4", "b")
+        time.sleep(1.0)                       # the label watch polls every policy_poll_seconds
+        b_file.write_text(TEAM_B.replace("[passthrough.allowed.test]", "[api.allowed.test]"))
+    try:
+        out = lab.call_gw(_hold_then, _explicit(egw, "sb-r4", "passthrough.allowed.test"),
+                          "passthrough.allowed.test", str(lab.ca.bundle_path), relabel_then_narrow_team_b,
+                          window=6.0)
+    finally:
+        b_file.write_text(TEAM_B)
+    assert out["closed"], out
+    assert _revoked(egw, "sb-r4", "passthrough.allowed.test")["extra"]["denied_by"] == "default_deny"
 
 
 def test_intercepted_connection_the_new_labels_deny_is_closed(egw, lab):
