@@ -6,8 +6,8 @@ backend: what bubblewrap alone costs) and a cold QEMU boot (microvm: what the
 snapshot saves). Results as ratios to the reference.
 
     .venv/bin/python bench/bench_sandbox.py [--backends namespace,microvm] [--conc 1,10,50] [--quick]
-        [--pool N]          keep N network slots ready (runtime.pool_size); each round starts
-                            with a full pool (the refill between rounds is not timed)
+        [--pool N]          keep N network slots and N parked launchers ready (runtime.pool_size);
+                            each round starts with full pools (the refill between rounds is not timed)
         [--template NAME]   namespace sandboxes on a built template (cubegate template build NAME)
         [--phases]          per row, where a start's time goes (sandbox_runtime.phases): median
                             wall and thread CPU per phase
@@ -73,7 +73,7 @@ class Env:
                 from sandbox_runtime.namespace import NamespaceBackend
                 from sandbox_runtime.templates import TemplateStore
                 cache = os.environ.get("CUBEGATE_TEMPLATE_CACHE", "/var/cache/cubegate/templates")
-                impls[b] = NamespaceBackend(self.tmp / "ns", templates=TemplateStore(cache))
+                impls[b] = NamespaceBackend(self.tmp / "ns", templates=TemplateStore(cache), launchers=pool_size)
             else:
                 from sandbox_runtime.microvm.backend import MicrovmBackend
                 from sandbox_runtime.microvm.assets import default_assets_dir
@@ -137,7 +137,9 @@ def run_level(env: Env, backend: str, conc: int, rounds: int, limits: Limits, de
         avail0 = meminfo_mb()["MemAvailable"]
         if env.pool is not None:            # start each round with a full pool (bounded wait)
             until = time.monotonic() + 30
-            while env.pool.ready() < env.pool.size and time.monotonic() < until:
+            launchers = env.mgr.backends[backend].launchers if backend == "namespace" else None
+            while (env.pool.ready() < env.pool.size or (launchers and launchers.ready() < launchers.size)) \
+                    and time.monotonic() < until:
                 time.sleep(0.05)
         template = env.template if backend == "namespace" else None
 

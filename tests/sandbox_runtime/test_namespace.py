@@ -108,10 +108,10 @@ def test_bad_file_path_is_refused_and_cleaned_up(backend, bare_netns):
 
 def test_start_failure_reports_bwrap_error_and_leaves_nothing(backend):
     bogus = f"cgsrbogus{uuid.uuid4().hex[:6]}"
-    Path(f"/run/netns/{bogus}").write_text("")     # exists, but is not a namespace: nsenter fails
+    Path(f"/run/netns/{bogus}").write_text("")     # exists, but is not a namespace: setns fails
     try:
         spec = SandboxSpec(sandbox_id=_sid("f"), tenant="t")
-        with pytest.raises(SandboxError, match="nsenter") as ei:
+        with pytest.raises(SandboxError, match="netns") as ei:
             backend.create(spec, bogus, ip="10.0.0.2", gateway_ip="10.0.0.1")
         assert "exited during start" in str(ei.value)
         assert not (backend.state_dir / spec.sandbox_id).exists()
