@@ -91,6 +91,8 @@ class Launcher:
         """Hand it the sandbox: it enters netns_path, becomes uid, execs argv with fds as 3, 4, ...
         Close the socket only once it has exec'd (close_socket): a close with its 'R' still
         unread would reset the connection before it read the claim."""
+        if self.claimed:
+            raise LauncherError("launcher already claimed")     # one sandbox per launcher, ever
         if len(fds) > CLAIM_FDS:
             raise LauncherError(f"{len(fds)} fds exceed {CLAIM_FDS}")
         msg = claim_message(netns_path, uid, argv)

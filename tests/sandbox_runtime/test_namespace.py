@@ -29,12 +29,14 @@ def _sid(tag: str) -> str:
     return f"t{tag}-{uuid.uuid4().hex[:8]}"
 
 
-@pytest.fixture(scope="module")
-def backend(tmp_path_factory, agent_binary):
-    b = NamespaceBackend(tmp_path_factory.mktemp("ns") / "state")
+@pytest.fixture(scope="module", params=[0, 2], ids=["spawned", "pooled"])
+def backend(request, tmp_path_factory, agent_binary):
+    """Every test twice: launchers spawned per start, and taken from a pool (launchpool.py)."""
+    b = NamespaceBackend(tmp_path_factory.mktemp("ns") / "state", launchers=request.param)
     ok, why = b.available()
     if not ok:
         pytest.skip(why)
+    b.prepare("10.0.0.1")       # starts filling the launcher pool
     yield b
     b.close()           # its roots dir under /run goes with it
 
