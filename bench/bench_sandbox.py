@@ -126,7 +126,7 @@ def phase_table(traces: list[dict]) -> dict[str, tuple[float, float]]:
 
 
 def run_level(env: Env, backend: str, conc: int, rounds: int, limits: Limits, deadline: float) -> dict:
-    lat, failures, mem_cg, traces, cpu_ms = [], 0, [], [], []
+    lat, failures, mem_cg, traces, cpu_ms, cpu_split = [], 0, [], [], [], []
     phases.take()
     seq = 0
     for _ in range(rounds):
@@ -165,6 +165,7 @@ def run_level(env: Env, backend: str, conc: int, rounds: int, limits: Limits, de
             with suppress(Exception):
                 sb_cpu += env.mgr.get(s)["usage"]["cpu_seconds"]
         cpu_ms.append((own_cpu + sb_cpu) * 1000 / max(1, conc))
+        cpu_split.append((own_cpu * 1000 / max(1, conc), sb_cpu * 1000 / max(1, conc)))
         traces += phases.take()
         time.sleep(1.0)   # let them settle to idle
         for r in env.mgr.list():
@@ -179,6 +180,8 @@ def run_level(env: Env, backend: str, conc: int, rounds: int, limits: Limits, de
     return {"backend": backend, "conc": conc, "n": len(lat), "failures": failures, "phases": phase_table(traces),
             "p50": pct(lat, 50), "p95": pct(lat, 95), "p99": pct(lat, 99), "wall_s": wall,
             "starts_per_s": conc / wall if wall else float("nan"), "cpu_ms": statistics.median(cpu_ms),
+            "cpu_daemon_ms": statistics.median(d for d, _ in cpu_split),
+            "cpu_sandbox_ms": statistics.median(s for _, s in cpu_split),
             "mem_mb": statistics.median(mem_cg) / 2**20 if mem_cg else float("nan"), "host_mb": host_per_sb}
 
 
@@ -191,6 +194,8 @@ def print_phases(rows: list[dict]) -> None:
         order = sorted((k for k in ph if k not in ("total", "other")), key=lambda k: -ph[k][0])
         cells = [f"{k} {ph[k][0]:.1f}/{ph[k][1]:.1f}" for k in [*order, "other", "total"] if k in ph]
         print(f"{r['backend']:<10} c{r['conc']:<4} " + "  ".join(cells))
+        print(f"{'':<10} {'':<5} CPU ms/start: daemon (all threads, refills included) {r['cpu_daemon_ms']:.1f}, "
+              f"sandbox cgroups (launcher, bwrap, agent) {r['cpu_sandbox_ms']:.1f}")
 
 
 def main() -> int:

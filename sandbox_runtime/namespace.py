@@ -343,9 +343,7 @@ class NamespaceBackend:
             launcher = None     # the sandbox's now: destroy ends it
             with phases.phase("handle"):
                 _save_handle(sdir, h)
-            client = self._client(h)
-            with phases.phase("set_env"):
-                client.set_env(self._base_env(h, spec.env))
+            client = self._client(h)      # the agent has its environment already (_wait_ready)
             self._run_trust_script(h, client)
             for path, content in files.items():
                 client.write_file(path, content)
@@ -558,31 +556,29 @@ class NamespaceBackend:
         proc = launcher.proc
         try:
             with phases.phase("agent_ready"):
-                self._wait_ready(h, proc)
+                self._wait_ready(h, proc, self._base_env(h, spec.env))
         finally:
             launcher.close_socket()     # it has exec'd (or failed): nothing more goes to it
             proc.stderr.close()
         h.data["start_latency_s"] = round(time.monotonic() - t0, 4)
 
-    def _wait_ready(self, h: Handle, proc: subprocess.Popen) -> None:
-        """Ping until the agent answers; fail fast (with bwrap's stderr) if bwrap exits."""
-        deadline = time.monotonic() + self.start_timeout
-        client = self._client(h)
-        last = "no answer"
+    def _wait_ready(self, h: Handle, proc: subprocess.Popen, env: dict[str, str]) -> None:
+        """Until the agent has taken the sandbox's environment (its first request); fail fast
+        (with bwrap's stderr) if bwrap exits."""
         err = bytearray()
-        while time.monotonic() < deadline:
+
+        def starting() -> bool:
+            _drain_tail(proc.stderr, err)
+            return proc.poll() is None
+        try:
+            self._client(h).set_env_when_up(env, self.start_timeout, starting)
+        except AgentError as e:
             _drain_tail(proc.stderr, err)
             if proc.poll() is not None:
-                _drain_tail(proc.stderr, err)
                 raise SandboxError(f"sandbox exited during start (code {proc.returncode}): "
-                                   f"{_text(err) or 'no output'}")
-            try:
-                client.ping(timeout=min(0.25, max(0.01, deadline - time.monotonic())))
-                return
-            except AgentError as e:
-                last = str(e)
-        raise SandboxError(f"agent did not answer within {self.start_timeout:.0f}s ({last}); "
-                           f"bwrap: {_text(err) or 'no output'}")
+                                   f"{_text(err) or 'no output'}") from None
+            raise SandboxError(f"agent did not answer within {self.start_timeout:.0f}s ({e}); "
+                               f"bwrap: {_text(err) or 'no output'}") from None
 
     def _client(self, h: Handle) -> AgentClient:
         return AgentClient(unix_connector(h.data["socket"]))
