@@ -215,15 +215,15 @@ def _save_handle(sdir: Path, h: Handle) -> None:
     tmp.replace(sdir / "handle.json")
 
 
-def _drain_tail(pipe, buf: bytearray, keep: int = 2000) -> None:
-    """Read what the (non-blocking) pipe has, keep only the last `keep` bytes."""
+def _drain_tail(pipe, buf: bytearray, keep: int = 2000) -> bool:
+    """Read what the (non-blocking) pipe has, keep only the last `keep` bytes. True at EOF."""
     while True:
         try:
             chunk = os.read(pipe.fileno(), 65536)
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         if not chunk:
-            return
+            return True
         buf += chunk
         del buf[:-keep]
 
@@ -568,10 +568,12 @@ class NamespaceBackend:
         err = bytearray()
 
         def starting() -> bool:
-            _drain_tail(proc.stderr, err)
+            if _drain_tail(proc.stderr, err):       # EOF: what held the pipe has exited or is exiting
+                with suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=0.25)
             return proc.poll() is None
         try:
-            self._client(h).set_env_when_up(env, self.start_timeout, starting)
+            self._client(h).set_env_when_up(env, self.start_timeout, starting, proc.stderr.fileno())
         except AgentError as e:
             _drain_tail(proc.stderr, err)
             if proc.poll() is not None:

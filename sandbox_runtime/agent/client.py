@@ -124,11 +124,13 @@ class AgentClient:
                 raise AgentError(f"bad env name {k!r}")
         self._simple(b"V", _fields(*(f"{k}={v}" for k, v in env.items())), b"k", self.io_timeout)
 
-    def set_env_when_up(self, env: dict[str, str], timeout: float, starting: Callable[[], bool]) -> None:
+    def set_env_when_up(self, env: dict[str, str], timeout: float, starting: Callable[[], bool],
+                        watch_fd: int | None = None) -> None:
         """set_env as the first request to an agent that may not be accepting yet (the namespace
         backend makes its listening socket, so connect succeeds at once): one connection,
-        waited on up to timeout while starting() says the sandbox is still coming up. It is
-        the readiness probe too: no ping, no retries that leave the agent dead connections."""
+        waited on up to timeout while starting() says the sandbox is still coming up —
+        asked when watch_fd (its stderr) is readable and every 0.25 s. It is the readiness
+        probe too: no ping, no retries that leave the agent dead connections."""
         for k in env:
             if not k or "=" in k:
                 raise AgentError(f"bad env name {k!r}")
@@ -136,7 +138,8 @@ class AgentClient:
         try:
             with self._session(timeout) as s:
                 s.sendall(encode_frame(b"V", _fields(*(f"{k}={v}" for k, v in env.items()))))
-                while not select.select([s], [], [], 0.02)[0]:
+                watched = [s] if watch_fd is None else [s, watch_fd]
+                while s not in select.select(watched, [], [], 0.25)[0]:
                     if not starting():
                         raise AgentError("the sandbox exited")
                     if time.monotonic() > deadline:
