@@ -12,7 +12,7 @@ snapshot saves). Results as ratios to the reference.
         [--phases]          per row, where a start's time goes (sandbox_runtime.phases): median
                             wall and thread CPU per phase
 CPU ms/start: this process (all threads, the pool's refill included) + the sandboxes'
-cgroups (launcher, nsenter, bwrap, agent) over the round, per start — steadier than
+cgroups (launcher, bwrap, agent) over the round, per start — steadier than
 latency on a shared machine.
 """
 from __future__ import annotations
