@@ -575,6 +575,8 @@ class NamespaceBackend:
         try:
             self._client(h).set_env_when_up(env, self.start_timeout, starting, proc.stderr.fileno())
         except AgentError as e:
+            with suppress(subprocess.TimeoutExpired):   # a reset connection: the listener's holder died
+                proc.wait(timeout=0.5)
             _drain_tail(proc.stderr, err)
             if proc.poll() is not None:
                 raise SandboxError(f"sandbox exited during start (code {proc.returncode}): "
