@@ -94,6 +94,9 @@ class Env:
         for r in self.mgr.list():
             with suppress(Exception):
                 self.mgr.destroy(r["id"])
+        for b in self.mgr.backends.values():
+            with suppress(Exception):
+                getattr(b, "close", lambda: None)()     # parked launchers end, their cgroups go
         with suppress(Exception):
             self.sw.close()
         for name in os.listdir(netns.NETNS_RUN_DIR):
