@@ -6,13 +6,13 @@ backend: what bubblewrap alone costs) and a cold QEMU boot (microvm: what the
 snapshot saves). Results as ratios to the reference.
 
     .venv/bin/python bench/bench_sandbox.py [--backends namespace,microvm] [--conc 1,10,50] [--quick]
-        [--pool N]          keep N network slots ready (runtime.pool_size); each round starts
-                            with a full pool (the refill between rounds is not timed)
+        [--pool N]          keep N network slots and N parked launchers ready (runtime.pool_size);
+                            each round starts with full pools (the refill between rounds is not timed)
         [--template NAME]   namespace sandboxes on a built template (cubegate template build NAME)
         [--phases]          per row, where a start's time goes (sandbox_runtime.phases): median
                             wall and thread CPU per phase
 CPU ms/start: this process (all threads, the pool's refill included) + the sandboxes'
-cgroups (launcher, nsenter, bwrap, agent) over the round, per start — steadier than
+cgroups (launcher, bwrap, agent) over the round, per start — steadier than
 latency on a shared machine.
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Env:
                 from sandbox_runtime.namespace import NamespaceBackend
                 from sandbox_runtime.templates import TemplateStore
                 cache = os.environ.get("CUBEGATE_TEMPLATE_CACHE", "/var/cache/cubegate/templates")
-                impls[b] = NamespaceBackend(self.tmp / "ns", templates=TemplateStore(cache))
+                impls[b] = NamespaceBackend(self.tmp / "ns", templates=TemplateStore(cache), launchers=pool_size)
             else:
                 from sandbox_runtime.microvm.backend import MicrovmBackend
                 from sandbox_runtime.microvm.assets import default_assets_dir
@@ -94,6 +94,9 @@ class Env:
         for r in self.mgr.list():
             with suppress(Exception):
                 self.mgr.destroy(r["id"])
+        for b in self.mgr.backends.values():
+            with suppress(Exception):
+                getattr(b, "close", lambda: None)()     # parked launchers end, their cgroups go
         with suppress(Exception):
             self.sw.close()
         for name in os.listdir(netns.NETNS_RUN_DIR):
@@ -126,7 +129,7 @@ def phase_table(traces: list[dict]) -> dict[str, tuple[float, float]]:
 
 
 def run_level(env: Env, backend: str, conc: int, rounds: int, limits: Limits, deadline: float) -> dict:
-    lat, failures, mem_cg, traces, cpu_ms = [], 0, [], [], []
+    lat, failures, mem_cg, traces, cpu_ms, cpu_split = [], 0, [], [], [], []
     phases.take()
     seq = 0
     for _ in range(rounds):
@@ -137,7 +140,9 @@ def run_level(env: Env, backend: str, conc: int, rounds: int, limits: Limits, de
         avail0 = meminfo_mb()["MemAvailable"]
         if env.pool is not None:            # start each round with a full pool (bounded wait)
             until = time.monotonic() + 30
-            while env.pool.ready() < env.pool.size and time.monotonic() < until:
+            launchers = env.mgr.backends[backend].launchers if backend == "namespace" else None
+            while (env.pool.ready() < env.pool.size or (launchers and launchers.ready() < launchers.size)) \
+                    and time.monotonic() < until:
                 time.sleep(0.05)
         template = env.template if backend == "namespace" else None
 
@@ -163,6 +168,7 @@ def run_level(env: Env, backend: str, conc: int, rounds: int, limits: Limits, de
             with suppress(Exception):
                 sb_cpu += env.mgr.get(s)["usage"]["cpu_seconds"]
         cpu_ms.append((own_cpu + sb_cpu) * 1000 / max(1, conc))
+        cpu_split.append((own_cpu * 1000 / max(1, conc), sb_cpu * 1000 / max(1, conc)))
         traces += phases.take()
         time.sleep(1.0)   # let them settle to idle
         for r in env.mgr.list():
@@ -177,6 +183,8 @@ def run_level(env: Env, backend: str, conc: int, rounds: int, limits: Limits, de
     return {"backend": backend, "conc": conc, "n": len(lat), "failures": failures, "phases": phase_table(traces),
             "p50": pct(lat, 50), "p95": pct(lat, 95), "p99": pct(lat, 99), "wall_s": wall,
             "starts_per_s": conc / wall if wall else float("nan"), "cpu_ms": statistics.median(cpu_ms),
+            "cpu_daemon_ms": statistics.median(d for d, _ in cpu_split),
+            "cpu_sandbox_ms": statistics.median(s for _, s in cpu_split),
             "mem_mb": statistics.median(mem_cg) / 2**20 if mem_cg else float("nan"), "host_mb": host_per_sb}
 
 
@@ -189,6 +197,8 @@ def print_phases(rows: list[dict]) -> None:
         order = sorted((k for k in ph if k not in ("total", "other")), key=lambda k: -ph[k][0])
         cells = [f"{k} {ph[k][0]:.1f}/{ph[k][1]:.1f}" for k in [*order, "other", "total"] if k in ph]
         print(f"{r['backend']:<10} c{r['conc']:<4} " + "  ".join(cells))
+        print(f"{'':<10} {'':<5} CPU ms/start: daemon (all threads, refills included) {r['cpu_daemon_ms']:.1f}, "
+              f"sandbox cgroups (launcher, bwrap, agent) {r['cpu_sandbox_ms']:.1f}")
 
 
 def main() -> int:

@@ -51,7 +51,8 @@ def make_backends(settings, ca_bundle: Path) -> dict:
             from sandbox_runtime.namespace import NamespaceBackend
             from sandbox_runtime.templates import TemplateStore
             out[name] = NamespaceBackend(rdir / "namespace", ca_bundle=ca_bundle,
-                                         templates=TemplateStore(settings.template_cache_dir))
+                                         templates=TemplateStore(settings.template_cache_dir),
+                                         launchers=settings.runtime.pool_size)
         elif name == "microvm":
             from sandbox_runtime.microvm.backend import MicrovmBackend
             from sandbox_runtime.templates import TemplateStore

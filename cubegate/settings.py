@@ -228,7 +228,8 @@ class RuntimeSettings(_Section):
     hub_netns: Annotated[str, Strict(), AfterValidator(_check_netns)] | None = None  # None = the daemon's own
     template_cache: PathStr | None = None       # built templates; default <state_dir>/.cache/templates
     default_template: TemplateName | None = None  # template of sandboxes whose request names none (None: host /usr)
-    pool_size: _count(0, 1024) = 0              # network slots (netns + veth + maps) kept ready ahead of creates
+    pool_size: _count(0, 1024) = 0              # network slots (netns + veth + maps), and namespace launchers
+                                                # (parked in their own cgroups), kept ready ahead of creates
     auto_pause_seconds: _seconds(le=7 * 86400) | None = None   # freeze a sandbox idle this long (no exec or other
                                                 # call on it, no traffic); the next call resumes it. None: never
     paused_capacity: Literal["full", "memory"] = "full"   # what a paused sandbox keeps reserved: its whole

@@ -58,7 +58,9 @@ class SandboxCgroups:
 
     # -- creation -------------------------------------------------------------
     @classmethod
-    def create(cls, sandbox_id: str, limits: Limits, root: Path = ROOT, *, group: str = "") -> "SandboxCgroups":
+    def create(cls, sandbox_id: str, limits: Limits | None, root: Path = ROOT, *,
+               group: str = "") -> "SandboxCgroups":
+        """limits None: no limits yet (a pooled launcher's cgroups: set_limits at claim)."""
         version, why = detect(root)
         if version is None:
             raise SandboxError(why)
@@ -72,7 +74,6 @@ class SandboxCgroups:
                     d = base / PARENT / group / sandbox_id if group else base / PARENT / sandbox_id
                     d.mkdir(parents=True, exist_ok=False)
                     cg.paths[c] = str(d)
-                cg._limits_v1(limits)
             else:
                 _write(root / "cgroup.subtree_control", "+memory +pids +cpu")
                 parent = root / PARENT
@@ -83,7 +84,8 @@ class SandboxCgroups:
                 d = parent / sandbox_id
                 d.mkdir(exist_ok=False)
                 cg.paths["unified"] = str(d)
-                cg._limits_v2(limits)
+            if limits is not None:
+                cg.set_limits(limits)
         except FileExistsError:
             cg.remove()
             raise SandboxError(f"cgroup for {sandbox_id} already exists") from None
@@ -91,6 +93,48 @@ class SandboxCgroups:
             cg.remove()
             raise SandboxError(f"cgroup setup failed: {e}") from None
         return cg
+
+    def set_limits(self, lim: Limits) -> None:
+        if self.version == "v1":
+            self._limits_v1(lim)
+        else:
+            self._limits_v2(lim)
+
+    def renamed(self, name: str) -> "SandboxCgroups":
+        """The same cgroups (and tasks) under another name in the same parent: cgroup v1 only
+        (v2 has no rename). All or nothing: a failure renames back what was done and raises."""
+        if self.version != "v1":
+            raise SandboxError("cgroup rename needs cgroup v1")
+        done: dict[str, str] = {}
+        try:
+            for c, p in self.paths.items():
+                new = str(Path(p).with_name(name))
+                os.rename(p, new)
+                done[c] = new
+        except OSError as e:
+            for c, new in done.items():
+                try:
+                    os.rename(new, self.paths[c])
+                except OSError:
+                    pass
+            raise SandboxError(f"cgroup rename to {name} failed: {e}") from None
+        return SandboxCgroups(self.version, done)
+
+    @classmethod
+    def named(cls, prefix: str, root: Path = ROOT, *, group: str) -> list["SandboxCgroups"]:
+        """The existing cgroups of this instance whose name starts with prefix (leftovers)."""
+        version, _ = detect(root)
+        found: dict[str, dict[str, str]] = {}
+        bases = {c: root / c / PARENT / group for c in V1_CONTROLLERS} if version == "v1" else \
+            {"unified": root / PARENT / group} if version == "v2" else {}
+        for c, base in bases.items():
+            try:
+                names = [d.name for d in base.iterdir() if d.is_dir() and d.name.startswith(prefix)]
+            except OSError:
+                continue
+            for n in names:
+                found.setdefault(n, {})[c] = str(base / n)
+        return [cls(version, paths) for paths in found.values()]
 
     def _limits_v1(self, lim: Limits) -> None:
         mem = Path(self.paths["memory"])

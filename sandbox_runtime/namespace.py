@@ -1,15 +1,18 @@
 """The `namespace` backend: bubblewrap inside the sandbox's cubevs network namespace.
 
-Process chain of one sandbox (all execs, one pid until bwrap forks):
+Process chain of one sandbox (one pid until bwrap forks):
 
-  cubegate-agent --launch --cgroup <procs>...   (root: setsid, join the sandbox's cgroups)
-    → nsenter --net=/run/netns/<netns> --setuid U --setgid U   (enter the netns, drop host root)
-      → bwrap (unprivileged, new user/pid/ipc/uts/cgroup/mount namespaces, seccomp, no caps)
-        → pid 1: bwrap's reaper → pid 2: cubegate-agent --listen-fd 3
+  cubegate-agent --parked FD --cgroup <procs>...   (root: setsid, join the cgroups, wait for
+      the claim on FD; then enter the netns, drop host root to the sandbox uid — launcher.py)
+    → bwrap (unprivileged, new user/pid/ipc/uts/cgroup/mount namespaces, seccomp, no caps)
+      → pid 1: bwrap's reaper → pid 2: cubegate-agent --listen-fd 3
 
 Choices:
-- The launcher joins the cgroups *before* exec, so nothing of the sandbox ever runs
-  outside its limits (moving the pid after spawn leaves a window where bwrap forks).
+- The launcher joins the cgroups *before* it runs anything of the sandbox, so nothing of
+  it ever runs outside its limits (moving the pid after spawn leaves a window where
+  bwrap forks). With `launchers` > 0 the launcher is taken parked from a pool
+  (launchpool.py), its cgroups renamed to the sandbox's and given its limits before the
+  claim: the join (an RCU grace period on cgroup v1) and two execs leave the start path.
 - bwrap runs as an unprivileged host uid of its own (uids.sandbox_uid: from the
   sandbox's address, unique among live sandboxes): uid 1000 inside maps to it, so even
   a mount-namespace escape is not host root, and sandboxes share no per-user limits.
@@ -43,6 +46,8 @@ from sandbox_runtime.agent.client import AgentClient, AgentError, unix_connector
 from sandbox_runtime.backend import ExecResult, Handle, NotSupported, SandboxError, SandboxSpec
 from sandbox_runtime.build_agent import BINARY as AGENT_BINARY
 from sandbox_runtime.cgroups import SandboxCgroups, detect
+from sandbox_runtime.launcher import Launcher, LauncherError, fd_numbers
+from sandbox_runtime.launchpool import LauncherPool
 from sandbox_runtime.templates import rootfs as tpl_rootfs
 from sandbox_runtime.templates import trust as tpl_trust
 from sandbox_runtime.templates.store import TemplateError, TemplateStore
@@ -51,7 +56,6 @@ from sandbox_runtime.uids import sandbox_uid
 log = logging.getLogger("cubegate.runtime.namespace")
 
 BWRAP = "/usr/bin/bwrap"
-NSENTER = shutil.which("nsenter") or "/usr/bin/nsenter"
 NETNS_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 INNER_UID = 1000
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
@@ -211,18 +215,15 @@ def _save_handle(sdir: Path, h: Handle) -> None:
     tmp.replace(sdir / "handle.json")
 
 
-LAUNCH_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
-
-
-def _drain_tail(pipe, buf: bytearray, keep: int = 2000) -> None:
-    """Read what the (non-blocking) pipe has, keep only the last `keep` bytes."""
+def _drain_tail(pipe, buf: bytearray, keep: int = 2000) -> bool:
+    """Read what the (non-blocking) pipe has, keep only the last `keep` bytes. True at EOF."""
     while True:
         try:
             chunk = os.read(pipe.fileno(), 65536)
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         if not chunk:
-            return
+            return True
         buf += chunk
         del buf[:-keep]
 
@@ -236,7 +237,8 @@ class NamespaceBackend:
 
     def __init__(self, state_dir: Path, ca_bundle: Path | None = None, *, host_uid: int | None = None,
                  agent_binary: Path = AGENT_BINARY, start_timeout: float = START_TIMEOUT_S,
-                 templates: TemplateStore | None = None, roots_dir: Path | None = None):
+                 templates: TemplateStore | None = None, roots_dir: Path | None = None, launchers: int = 0):
+        """launchers: parked launchers kept ready (launchpool.py; 0: each start spawns its own)."""
         self.state_dir = Path(state_dir)
         self.instance = ids.instance_name(self.state_dir)   # host-wide names are per runtime instance
         # template overlays: <roots_dir>/<sandbox id>/{rw,root}
@@ -252,6 +254,8 @@ class NamespaceBackend:
         self._etc_dirs: dict[str, tuple[tuple, Path]] = {}    # gateway ip -> (source signature, dir)
         self._etc_lock = threading.Lock()
         self._usr_links = _usr_links()
+        self.launchers = LauncherPool(self.agent_binary, self.instance, launchers) if launchers > 0 else None
+        self._launchers_started = False
 
     def _claim_roots(self, *, prune: bool):
         """Mark our roots dir live and remove those of dead instances (only under the host-wide
@@ -270,6 +274,8 @@ class NamespaceBackend:
     def close(self) -> None:
         """Daemon shutdown: sandboxes keep running (the next daemon adopts them); with none
         left, this instance's roots dir is removed."""
+        if self.launchers is not None:
+            self.launchers.stop()       # unclaimed launchers end, their cgroups go
         lock, self._roots_lock = self._roots_lock, None
         if lock is not None:
             roots.release(self.roots_dir, lock, sandboxes_left=bool(self.list()))
@@ -278,9 +284,8 @@ class NamespaceBackend:
     def available(self) -> tuple[bool, str]:
         if os.geteuid() != 0:
             return False, "the namespace backend needs root (cgroups, netns)"
-        for tool in (BWRAP, NSENTER):
-            if not os.access(tool, os.X_OK):
-                return False, f"{tool} not found (apt: bubblewrap / util-linux)"
+        if not os.access(BWRAP, os.X_OK):
+            return False, f"{BWRAP} not found (apt: bubblewrap)"
         if not self.agent_binary.exists():
             return False, "agent binary missing: run python -m sandbox_runtime.build_agent"
         ok, why = seccomp.supported()
@@ -322,10 +327,11 @@ class NamespaceBackend:
         if tpl is not None:
             h.data["template"] = {"name": tpl.name, "key": tpl.key, "env": tpl.env, "tools": tpl.tools,
                                   "lower": str(tpl.rootfs)}
-        cg = None
+        cg = launcher = None
+        pooled = self.launchers.take() if self.launchers is not None else None
         try:
             with phases.phase("cgroups"):
-                cg = SandboxCgroups.create(sid, spec.limits, group=self.instance)
+                cg, launcher = self._confine(sid, spec, pooled)
             h.data["cgroups"] = cg.to_json()
             # Written before anything runs (and again with the pids): if the daemon dies mid-create,
             # list() still finds what to reap (Manager.recover destroys handles without a record).
@@ -333,25 +339,52 @@ class NamespaceBackend:
                 if tpl is None:     # the shared /etc it will use is on disk before it is used (_prune_etc)
                     h.data["etc_dir"] = str(self._shared_etc_dir(gateway_ip))
                 _save_handle(sdir, h)
-            self._spawn(h, spec, cg, gateway_ip)
+            self._spawn(h, spec, cg, gateway_ip, launcher)
+            launcher = None     # the sandbox's now: destroy ends it
             with phases.phase("handle"):
                 _save_handle(sdir, h)
-            client = self._client(h)
-            with phases.phase("set_env"):
-                client.set_env(self._base_env(h, spec.env))
+            client = self._client(h)      # the agent has its environment already (_wait_ready)
             self._run_trust_script(h, client)
             for path, content in files.items():
                 client.write_file(path, content)
             return h
         except SandboxError:
-            self.destroy(h)
+            self._undo_create(h, launcher)
             raise
         except Exception as e:      # OSError and friends: still clean up, report as SandboxError
-            self.destroy(h)
+            self._undo_create(h, launcher)
             raise SandboxError(f"sandbox start failed: {type(e).__name__}: {e}") from e
         except BaseException:
-            self.destroy(h)
+            self._undo_create(h, launcher)
             raise
+        finally:
+            if self.launchers is not None:
+                self.launchers.start_done()
+
+    def _confine(self, sid: str, spec: SandboxSpec, pooled) -> tuple[SandboxCgroups, Launcher | None]:
+        """The sandbox's cgroups, with its limits: a pooled launcher's, renamed to the sandbox
+        (the launcher is in them already), or new ones (the launcher is spawned into them)."""
+        if pooled is not None:
+            try:
+                cg = pooled.cgroups.renamed(sid)
+            except SandboxError as e:
+                log.warning("namespace: pooled launcher unusable (%s); spawning one", e)
+                pooled.discard()
+            else:
+                try:
+                    cg.set_limits(spec.limits)
+                except OSError as e:
+                    pooled.launcher.discard()
+                    cg.kill_all()
+                    cg.remove()
+                    raise SandboxError(f"cgroup setup failed: {e}") from None
+                return cg, pooled.launcher
+        return SandboxCgroups.create(sid, spec.limits, group=self.instance), None
+
+    def _undo_create(self, h: Handle, launcher: Launcher | None) -> None:
+        if launcher is not None and not launcher.claimed:
+            launcher.discard()      # claimed by nobody: it ran nothing
+        self.destroy(h)
 
     @staticmethod
     def _workspace_path(rel: str) -> str:
@@ -422,9 +455,12 @@ class NamespaceBackend:
         return pem
 
     def prepare(self, gateway_ip: str) -> None:
-        """Build the shared /etc ahead of the first start."""
+        """Build the shared /etc ahead of the first start; start filling the launcher pool."""
         with self._etc_lock:
             self._shared_etc_dir(gateway_ip)
+            if self.launchers is not None and not self._launchers_started:
+                self._launchers_started = True
+                self.launchers.start()
 
     def _shared_etc_dir(self, gateway_ip: str) -> Path:
         """The shared /etc for this gateway, rebuilt only when a source changed (etcdir.signature)."""
@@ -458,13 +494,16 @@ class NamespaceBackend:
             if str(d) not in keep and not d.name.startswith("."):
                 shutil.rmtree(d, ignore_errors=True)
 
-    def _spawn(self, h: Handle, spec: SandboxSpec, cg: SandboxCgroups, gateway_ip: str) -> None:
+    def _spawn(self, h: Handle, spec: SandboxSpec, cg: SandboxCgroups, gateway_ip: str,
+               launcher: Launcher | None) -> None:
+        """Claim the launcher (spawned now into cg when none was pooled) with bwrap's argv."""
         sid = h.sandbox_id
-        fds: list[int] = []
+        fds: list[int] = []        # in the order the command gets them: 3, 4, ...
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(h.data["socket"])
             listener.listen(128)
+            fds.append(listener.fileno())
 
             def memfd(name: str, data: bytes) -> int:
                 fd = os.memfd_create(name, os.MFD_CLOEXEC)
@@ -473,75 +512,77 @@ class NamespaceBackend:
                 os.lseek(fd, 0, os.SEEK_SET)
                 return fd
 
+            def opened(path: str, flags: int) -> int:
+                fds.append(os.open(path, flags | os.O_CLOEXEC))
+                return fds[-1]
+
             seccomp_fd = memfd("seccomp", self._seccomp)
-            agent_fd = os.open(self.agent_binary, os.O_PATH | os.O_CLOEXEC)
-            fds.append(agent_fd)
+            agent_fd = opened(str(self.agent_binary), os.O_PATH)
             if h.data.get("template"):
                 root = self._template_root(h, spec, gateway_ip)
-                root_fds = {}
-                for dest in ("/", "/workspace", "/tmp"):
-                    root_fds[dest] = os.open(root + dest, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                    fds.append(root_fds[dest])
-                argv = bwrap_template_argv(sandbox_id=sid, root_fds=root_fds,
-                                           disk_mb=spec.limits.disk_mb, seccomp_fd=seccomp_fd, agent_fd=agent_fd,
-                                           listen_fd=listener.fileno(), env=self._base_env(h, {}))
+                root_fds = {dest: opened(root + dest, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+                            for dest in ("/", "/workspace", "/tmp")}
+                n = fd_numbers(fds)
+                argv = bwrap_template_argv(sandbox_id=sid, root_fds={d: n[fd] for d, fd in root_fds.items()},
+                                           disk_mb=spec.limits.disk_mb, seccomp_fd=n[seccomp_fd],
+                                           agent_fd=n[agent_fd], listen_fd=n[listener.fileno()],
+                                           env=self._base_env(h, {}))
             else:
-                etc_dir_fd = os.open(h.data["etc_dir"], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-                fds.append(etc_dir_fd)
+                etc_dir_fd = opened(h.data["etc_dir"], os.O_PATH | os.O_DIRECTORY)
                 mine = etc_files(sid, gateway_ip, b"")
                 etc_fds = {rel: memfd(rel, mine[rel]) for rel in SANDBOX_ETC}
-                argv = bwrap_argv(sandbox_id=sid, disk_mb=spec.limits.disk_mb, seccomp_fd=seccomp_fd,
-                                  agent_fd=agent_fd, listen_fd=listener.fileno(), etc_dir_fd=etc_dir_fd,
-                                  etc_fds=etc_fds, usr_links=self._usr_links, env=base_env(sid))
-            launch = [str(self.agent_binary), "--launch"]
-            for f in cg.procs_files():
-                launch += ["--cgroup", f]
-            uid = h.data["host_uid"]
-            launch += ["--", NSENTER, f"--net=/run/netns/{h.netns}", "--setuid", str(uid), "--setgid", str(uid)]
+                n = fd_numbers(fds)
+                argv = bwrap_argv(sandbox_id=sid, disk_mb=spec.limits.disk_mb, seccomp_fd=n[seccomp_fd],
+                                  agent_fd=n[agent_fd], listen_fd=n[listener.fileno()], etc_dir_fd=n[etc_dir_fd],
+                                  etc_fds={rel: n[fd] for rel, fd in etc_fds.items()},
+                                  usr_links=self._usr_links, env=base_env(sid))
             t0 = time.monotonic()
-            # stderr is a pipe we read only until the agent answers, then close: a host file
-            # here could be filled by the sandbox through /proc/1/fd/2 (bwrap's pid 1 keeps it).
-            # The environment is minimal: bwrap's pid 1 keeps the one it was started with,
-            # readable inside as /proc/1/environ, so the daemon's (vault key!) must not reach it.
             with phases.phase("spawn"):
-                proc = subprocess.Popen(launch + argv, pass_fds=[listener.fileno(), *fds], stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(LAUNCH_ENV),
-                                        start_new_session=True, close_fds=True)
-            os.set_blocking(proc.stderr.fileno(), False)
+                if launcher is None:
+                    launcher = Launcher(self.agent_binary, cg.procs_files())
+                self._children[sid] = launcher.proc
+                h.data["bwrap_pid"] = launcher.pid
+                h.data["bwrap_start"] = _start_time(launcher.pid)
+                try:
+                    launcher.claim(f"/run/netns/{h.netns}", h.data["host_uid"], argv, fds)
+                except LauncherError as e:
+                    launcher.discard()      # it ran nothing
+                    raise SandboxError(f"sandbox start failed: {e}") from None
         finally:
             listener.close()    # the agent holds the only listening copy now
-            for fd in fds:
+            for fd in fds[1:]:
                 with suppress(OSError):
                     os.close(fd)
-        self._children[sid] = proc
-        h.data["bwrap_pid"] = proc.pid
-        h.data["bwrap_start"] = _start_time(proc.pid)
+        proc = launcher.proc
         try:
             with phases.phase("agent_ready"):
-                self._wait_ready(h, proc)
+                self._wait_ready(h, proc, self._base_env(h, spec.env))
         finally:
+            launcher.close_socket()     # it has exec'd (or failed): nothing more goes to it
             proc.stderr.close()
         h.data["start_latency_s"] = round(time.monotonic() - t0, 4)
 
-    def _wait_ready(self, h: Handle, proc: subprocess.Popen) -> None:
-        """Ping until the agent answers; fail fast (with bwrap's stderr) if bwrap exits."""
-        deadline = time.monotonic() + self.start_timeout
-        client = self._client(h)
-        last = "no answer"
+    def _wait_ready(self, h: Handle, proc: subprocess.Popen, env: dict[str, str]) -> None:
+        """Until the agent has taken the sandbox's environment (its first request); fail fast
+        (with bwrap's stderr) if bwrap exits."""
         err = bytearray()
-        while time.monotonic() < deadline:
+
+        def starting() -> bool:
+            if _drain_tail(proc.stderr, err):       # EOF: what held the pipe has exited or is exiting
+                with suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=0.25)
+            return proc.poll() is None
+        try:
+            self._client(h).set_env_when_up(env, self.start_timeout, starting, proc.stderr.fileno())
+        except AgentError as e:
+            with suppress(subprocess.TimeoutExpired):   # a reset connection: the listener's holder died
+                proc.wait(timeout=0.5)
             _drain_tail(proc.stderr, err)
             if proc.poll() is not None:
-                _drain_tail(proc.stderr, err)
                 raise SandboxError(f"sandbox exited during start (code {proc.returncode}): "
-                                   f"{_text(err) or 'no output'}")
-            try:
-                client.ping(timeout=min(0.25, max(0.01, deadline - time.monotonic())))
-                return
-            except AgentError as e:
-                last = str(e)
-        raise SandboxError(f"agent did not answer within {self.start_timeout:.0f}s ({last}); "
-                           f"bwrap: {_text(err) or 'no output'}")
+                                   f"{_text(err) or 'no output'}") from None
+            raise SandboxError(f"agent did not answer within {self.start_timeout:.0f}s ({e}); "
+                               f"bwrap: {_text(err) or 'no output'}") from None
 
     def _client(self, h: Handle) -> AgentClient:
         return AgentClient(unix_connector(h.data["socket"]))

@@ -26,6 +26,18 @@ import time
 log = logging.getLogger("cubegate.runtime.pool")
 
 
+def refill_delay(*, ready: int, low_water: int, starting: int, last_start: float, quiet_s: float,
+                 now: float) -> float:
+    """Seconds a pool's refill should still wait: 0 once no start has been under way for
+    quiet_s, or at once when the pool is down to low_water (sustained load must not drain
+    it). Shared by the slot pool and the launcher pool (launchpool.py)."""
+    if ready <= low_water:
+        return 0.0
+    if starting:
+        return quiet_s
+    return max(0.0, last_start + quiet_s - now)
+
+
 class SlotPool:
     def __init__(self, switch, size: int, *, retry_s: float = 1.0, quiet_s: float = 0.2,
                  low_water: int | None = None):
@@ -142,15 +154,9 @@ class SlotPool:
                 self._discard(stale)
 
     def _refill_delay(self, now: float) -> float:
-        """Seconds the refill should still wait: 0 once no start has been under way for
-        quiet_s, or at once when the pool is down to low_water (sustained load must not
-        drain it)."""
         with self._lock:
-            if len(self._ready) <= self.low_water:
-                return 0.0
-            if self._starting:
-                return self.quiet_s
-            return max(0.0, self._last_start + self.quiet_s - now)
+            return refill_delay(ready=len(self._ready), low_water=self.low_water, starting=self._starting,
+                                last_start=self._last_start, quiet_s=self.quiet_s, now=now)
 
     def _discard(self, token: str) -> None:
         try:

@@ -9,6 +9,12 @@
  *   --launch [--cgroup PROCS_FILE]... -- ARGV...
  *                        host side helper (not inside the sandbox): setsid, join the
  *                        given cgroups, exec ARGV; so the sandbox never runs unconfined.
+ *   --parked FD [--cgroup PROCS_FILE]...
+ *                        host side, the namespace backend's launcher: setsid, join the
+ *                        cgroups, say 'R' on the SOCK_SEQPACKET socket FD, then wait for
+ *                        one claim on it (see parked()): enter the netns, drop to the
+ *                        sandbox uid, exec. Joining ahead of the claim keeps the cgroup
+ *                        migration (an RCU grace period on v1) off the start path.
  *
  * Static, no dependencies beyond libc. Every request is bounded (frame size,
  * exec timeout); malformed input closes the connection, never the agent.
@@ -19,7 +25,9 @@
 #include <fcntl.h>
 #include <ftw.h>
 #include <limits.h>
+#include <grp.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -750,39 +758,128 @@ static _Noreturn void serve_stream(const char *path) {
     }
 }
 
-static int launch(int argc, char **argv) {
-    /* Host side: setsid, join cgroups (by writing our own pid), exec. */
-    int i = 2;
-    setsid();
-    for (; i < argc && strcmp(argv[i], "--") != 0; i++) {
-        if (strcmp(argv[i], "--cgroup") != 0 || i + 1 >= argc) { fprintf(stderr, "launch: bad arguments\n"); return 2; }
-        const char *f = argv[++i];
-        int fd = open(f, O_WRONLY | O_CLOEXEC);
-        char pid[32];
-        int n = snprintf(pid, sizeof pid, "%d\n", (int)getpid());
-        if (fd < 0 || write(fd, pid, (size_t)n) != n) {
-            fprintf(stderr, "launch: join cgroup %s: %s\n", f, strerror(errno));
-            return 2;  /* fail closed: never run outside the limits */
-        }
-        close(fd);
+/* Host side: join a cgroup by writing our own pid to its cgroup.procs. */
+static int join_cgroup(const char *procs) {
+    int fd = open(procs, O_WRONLY | O_CLOEXEC);
+    char pid[32];
+    int n = snprintf(pid, sizeof pid, "%d\n", (int)getpid());
+    if (fd < 0 || write(fd, pid, (size_t)n) != n) {
+        fprintf(stderr, "launch: join cgroup %s: %s\n", procs, strerror(errno));
+        if (fd >= 0) close(fd);
+        return -1;  /* fail closed: never run outside the limits */
     }
-    if (i + 1 >= argc) { fprintf(stderr, "launch: no command\n"); return 2; }
-    /* Under host memory pressure the kernel must kill sandboxes before the gateway
-     * or the daemon; nothing inside can lower this again (no CAP_SYS_RESOURCE). */
+    close(fd);
+    return 0;
+}
+
+/* Under host memory pressure the kernel must kill sandboxes before the gateway
+ * or the daemon; nothing inside can lower this again (no CAP_SYS_RESOURCE). */
+static int set_oom_score(void) {
     int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
     if (oom < 0 || write(oom, "500\n", 4) != 4) {
         fprintf(stderr, "launch: oom_score_adj: %s\n", strerror(errno));
-        return 2;
+        if (oom >= 0) close(oom);
+        return -1;
     }
     close(oom);
+    return 0;
+}
+
+/* setsid, then every "--cgroup PROCS" from argv[*i] on (stops at "--" or the end). */
+static int confine(int argc, char **argv, int *i) {
+    setsid();
+    for (; *i < argc && strcmp(argv[*i], "--") != 0; (*i)++) {
+        if (strcmp(argv[*i], "--cgroup") != 0 || *i + 1 >= argc) { fprintf(stderr, "launch: bad arguments\n"); return -1; }
+        if (join_cgroup(argv[++*i]) < 0) return -1;
+    }
+    return set_oom_score();
+}
+
+static int launch(int argc, char **argv) {
+    /* Host side: setsid, join cgroups, exec. */
+    int i = 2;
+    if (confine(argc, argv, &i) < 0) return 2;
+    if (i + 1 >= argc) { fprintf(stderr, "launch: no command\n"); return 2; }
     execvp(argv[i + 1], argv + i + 1);
     fprintf(stderr, "launch: exec %s: %s\n", argv[i + 1], strerror(errno));
+    return 127;
+}
+
+#define CLAIM_MAX 65536
+#define CLAIM_FDS 16
+#define CLAIM_ARGS 4096
+
+/* Receive one claim: "NETNS_PATH\0UID\0ARGV0\0ARGV1\0..." with up to CLAIM_FDS fds.
+ * Returns the payload length (0: EOF), -1 on error; fds[] / *nfds filled. */
+static ssize_t recv_claim(int sock, char *buf, size_t cap, int *fds, int *nfds) {
+    union { char b[CMSG_SPACE(CLAIM_FDS * sizeof(int))]; struct cmsghdr align; } ctl;
+    struct iovec iov = {.iov_base = buf, .iov_len = cap};
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.b, .msg_controllen = sizeof ctl.b};
+    ssize_t n;
+    do n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC); while (n < 0 && errno == EINTR);
+    *nfds = 0;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+        int k = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+        for (int j = 0; j < k && *nfds < CLAIM_FDS; j++) memcpy(&fds[(*nfds)++], CMSG_DATA(c) + j * sizeof(int), sizeof(int));
+    }
+    if (n > 0 && (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) { fprintf(stderr, "parked: claim too large\n"); return -1; }
+    return n;
+}
+
+static int parked(int argc, char **argv) {
+    /* A pooled launcher of the namespace backend. Confined first (cgroups named by a one-use
+     * token; the daemon renames them to the sandbox's and sets its limits before it claims),
+     * then 'R', then one claim. It runs at most one command: EOF (the daemon went away or
+     * discarded it) or anything malformed ends it with nothing run. */
+    int ok;
+    long sock = argc >= 3 ? parse_long(argv[2], 10, &ok) : (ok = 0);
+    if (!ok || sock < 3 || sock > 1023) { fprintf(stderr, "parked: bad fd\n"); return 2; }
+    fcntl((int)sock, F_SETFD, FD_CLOEXEC);
+    int i = 3;
+    if (confine(argc, argv, &i) < 0 || i != argc) return 2;
+    /* parked now (the pool counts it ready); a daemon that claimed at once may have closed its end */
+    if (send((int)sock, "R", 1, MSG_NOSIGNAL) != 1) {}
+    static char buf[CLAIM_MAX];
+    int fds[CLAIM_FDS], nfds;
+    ssize_t n = recv_claim((int)sock, buf, sizeof buf - 1, fds, &nfds);
+    if (n < 0) { perror("parked: claim"); return 2; }
+    if (n == 0) return 0;       /* the daemon went away or discarded us: nothing to run */
+    if (buf[n - 1] != 0) { fprintf(stderr, "parked: malformed claim\n"); return 2; }
+    static char *f[CLAIM_ARGS + 1];
+    int nf = split_fields(buf, (uint32_t)n, f, CLAIM_ARGS, NULL);
+    long uid = nf >= 3 ? parse_long(f[1], 10, &ok) : (ok = 0);
+    if (!ok || uid <= 0 || uid > 0x7fffffff) { fprintf(stderr, "parked: malformed claim\n"); return 2; }
+    f[nf] = NULL;
+    /* The command's fds are 3, 4, ... in the order sent: move them above that range first. */
+    int tmp[CLAIM_FDS];
+    for (int k = 0; k < nfds; k++) {
+        tmp[k] = fcntl(fds[k], F_DUPFD_CLOEXEC, 3 + nfds);
+        if (tmp[k] < 0) { perror("parked: dup"); return 2; }
+        close(fds[k]);
+    }
+    for (int k = 0; k < nfds; k++) {
+        if (dup2(tmp[k], 3 + k) < 0) { perror("parked: dup2"); return 2; }
+        close(tmp[k]);
+    }
+    int ns = open(f[0], O_RDONLY | O_CLOEXEC);
+    if (ns < 0 || setns(ns, CLONE_NEWNET) < 0) { fprintf(stderr, "parked: netns %s: %s\n", f[0], strerror(errno)); return 2; }
+    close(ns);
+    /* host root ends here: no supplementary groups, the sandbox's uid and gid, for good */
+    if (setgroups(0, NULL) < 0 || setresgid((gid_t)uid, (gid_t)uid, (gid_t)uid) < 0 ||
+        setresuid((uid_t)uid, (uid_t)uid, (uid_t)uid) < 0 || getuid() != (uid_t)uid || geteuid() != (uid_t)uid) {
+        perror("parked: drop to the sandbox uid");
+        return 2;
+    }
+    execv(f[2], f + 2);
+    fprintf(stderr, "parked: exec %s: %s\n", f[2], strerror(errno));
     return 127;
 }
 
 int main(int argc, char **argv) {
     signal(SIGPIPE, SIG_IGN);
     if (argc >= 2 && strcmp(argv[1], "--launch") == 0) return launch(argc, argv);
+    if (argc >= 2 && strcmp(argv[1], "--parked") == 0) return parked(argc, argv);
     base_env = dup_env(environ);
     /* Not dumpable: the sandbox's own processes (same uid) cannot pidfd_getfd/ptrace-read the
      * agent to take over its control socket. execve of a child resets this for the child. */
@@ -810,6 +907,7 @@ int main(int argc, char **argv) {
     }
     if (argc == 3 && strcmp(argv[1], "--serve-fd") == 0) serve_stream(argv[2]);
     fprintf(stderr, "usage: %s --listen-unix PATH | --listen-fd N | --serve-fd PATH | --version\n"
-                    "       %s --launch [--cgroup PROCS_FILE]... -- ARGV...\n", argv[0], argv[0]);
+                    "       %s --launch [--cgroup PROCS_FILE]... -- ARGV...\n"
+                    "       %s --parked FD [--cgroup PROCS_FILE]...\n", argv[0], argv[0], argv[0]);
     return 2;
 }

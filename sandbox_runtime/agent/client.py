@@ -7,6 +7,7 @@ requests are serialised with a lock.
 """
 from __future__ import annotations
 
+import select
 import socket
 import struct
 import threading
@@ -122,6 +123,35 @@ class AgentClient:
             if not k or "=" in k:
                 raise AgentError(f"bad env name {k!r}")
         self._simple(b"V", _fields(*(f"{k}={v}" for k, v in env.items())), b"k", self.io_timeout)
+
+    def set_env_when_up(self, env: dict[str, str], timeout: float, starting: Callable[[], bool],
+                        watch_fd: int | None = None) -> None:
+        """set_env as the first request to an agent that may not be accepting yet (the namespace
+        backend makes its listening socket, so connect succeeds at once): one connection,
+        waited on up to timeout while starting() says the sandbox is still coming up —
+        asked when watch_fd (its stderr) is readable and every 0.25 s. It is the readiness
+        probe too: no ping, no retries that leave the agent dead connections."""
+        for k in env:
+            if not k or "=" in k:
+                raise AgentError(f"bad env name {k!r}")
+        deadline = time.monotonic() + timeout
+        try:
+            with self._session(timeout) as s:
+                s.sendall(encode_frame(b"V", _fields(*(f"{k}={v}" for k, v in env.items()))))
+                watched = [s] if watch_fd is None else [s, watch_fd]
+                while s not in select.select(watched, [], [], 0.25)[0]:
+                    if not starting():
+                        raise AgentError("the sandbox exited")
+                    if time.monotonic() > deadline:
+                        raise AgentError("no answer")
+                s.settimeout(max(0.05, deadline - time.monotonic()))
+                rk, rp = recv_frame(s)
+        except (OSError, TimeoutError) as e:
+            raise AgentError(f"agent request failed: {e}") from None
+        if rk == b"F":
+            raise AgentError(rp.decode(errors="replace"))
+        if rk != b"k":
+            raise AgentError(f"unexpected reply {rk!r}")
 
     def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         self._simple(b"W", _fields(path, format(mode, "o")) + data, b"k", self.io_timeout)

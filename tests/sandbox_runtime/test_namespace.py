@@ -29,12 +29,14 @@ def _sid(tag: str) -> str:
     return f"t{tag}-{uuid.uuid4().hex[:8]}"
 
 
-@pytest.fixture(scope="module")
-def backend(tmp_path_factory, agent_binary):
-    b = NamespaceBackend(tmp_path_factory.mktemp("ns") / "state")
+@pytest.fixture(scope="module", params=[0, 2], ids=["spawned", "pooled"])
+def backend(request, tmp_path_factory, agent_binary):
+    """Every test twice: launchers spawned per start, and taken from a pool (launchpool.py)."""
+    b = NamespaceBackend(tmp_path_factory.mktemp("ns") / "state", launchers=request.param)
     ok, why = b.available()
     if not ok:
         pytest.skip(why)
+    b.prepare("10.0.0.1")       # starts filling the launcher pool
     yield b
     b.close()           # its roots dir under /run goes with it
 
@@ -108,10 +110,10 @@ def test_bad_file_path_is_refused_and_cleaned_up(backend, bare_netns):
 
 def test_start_failure_reports_bwrap_error_and_leaves_nothing(backend):
     bogus = f"cgsrbogus{uuid.uuid4().hex[:6]}"
-    Path(f"/run/netns/{bogus}").write_text("")     # exists, but is not a namespace: nsenter fails
+    Path(f"/run/netns/{bogus}").write_text("")     # exists, but is not a namespace: setns fails
     try:
         spec = SandboxSpec(sandbox_id=_sid("f"), tenant="t")
-        with pytest.raises(SandboxError, match="nsenter") as ei:
+        with pytest.raises(SandboxError, match="netns") as ei:
             backend.create(spec, bogus, ip="10.0.0.2", gateway_ip="10.0.0.1")
         assert "exited during start" in str(ei.value)
         assert not (backend.state_dir / spec.sandbox_id).exists()
