@@ -33,7 +33,7 @@ class LoginHandler(ConsoleHandler):
             self._login_page(429, "Too many failed logins in the last minute: wait and try again.")
             return
         token = self.get_body_argument("token", "", strip=True)
-        info = self.ctx.vault.tokens.verify(token) if token else None
+        info = self.login_tokens.verify(token) if token else None
         if info is None:
             recent.append(time.monotonic())
             self.reason = "invalid, expired or missing token"

@@ -1,0 +1,59 @@
+"""Attack pass 5 on the daemon's side APIs (vault admin, policy, console): a real `cubegate run`
+(no root), real vault and SQLite stores, plain HTTP as a client would send it."""
+from __future__ import annotations
+
+import httpx
+import pytest
+import yaml
+
+from tests.console.consolekit import Browserish, ConsoleDaemon
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = ConsoleDaemon(tmp_path_factory.mktemp("attack5"))
+    # "other" is tenant globex's E2B API key (an admin-scope vault token, as the README says to make one)
+    settings = yaml.safe_load(d.settings_path.read_text())
+    settings["e2b"] = {"tenant": "acme", "token_tenants": {d.tokens["other_id"]: "globex"}}
+    d.settings_path.write_text(yaml.safe_dump(settings))
+    d.start()
+    d.wait_ready()
+    d.settings = settings
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def _api(d, which: str, method: str, path: str, token: str, **kw) -> httpx.Response:
+    port = d.settings[which]["port" if which == "policy_api" else "api_port"]
+    return httpx.request(method, f"http://127.0.0.1:{port}/v1{path}", headers={"Authorization": f"Bearer {token}"},
+                         timeout=10, trust_env=False, **kw)
+
+
+def test_a_tenants_e2b_key_is_no_operator_token(daemon):
+    """FINDING: `e2b.token_tenants` gives a vault admin token to a tenant as its E2B API key, and
+    that very token was admin on every other API of the host: the vault admin API (list, rotate,
+    destroy and re-bind acme's secrets — a binding to a host of its choosing would send acme's key
+    there), the policy API (widen acme's policy) and the console (and, in a runtime lab, exec in
+    acme's sandboxes: tests/e2b/test_attack_pass_5.py). A tenant key is refused by all of them;
+    an operator's admin token still works (the control)."""
+    key, operator = daemon.tokens["other"], daemon.tokens["admin"]
+    assert _api(daemon, "vault", "GET", "/secrets?tenant=acme", operator).status_code == 200
+    assert _api(daemon, "policy_api", "GET", "/policies", operator).status_code == 200
+    for which, method, path, body in (("vault", "GET", "/secrets?tenant=acme", None),
+                                      ("vault", "GET", "/bindings", None),
+                                      ("vault", "POST", "/secrets", {"tenant": "acme", "id": "planted",
+                                                                     "value": "planted-value-123"}),
+                                      ("vault", "POST", "/seal", None),
+                                      ("policy_api", "GET", "/policies", None)):
+        r = _api(daemon, which, method, path, key, **({"json": body} if body is not None else {}))
+        assert r.status_code == 401, (which, method, path, r.status_code, r.text)
+    r = _api(daemon, "vault", "GET", "/status", operator)
+    assert r.status_code == 200 and not r.json().get("sealed"), r.text      # the key's seal did nothing
+    # the console: the tenant key does not log in; the operator's does
+    b = Browserish(daemon)
+    assert b.get("/login").status_code == 200
+    r = b.post("/login", {"token": key})
+    assert r.status_code == 401 and "cubegate_console" not in r.cookies, r.status_code
+    daemon.login()
