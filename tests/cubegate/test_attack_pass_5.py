@@ -57,3 +57,29 @@ def test_a_tenants_e2b_key_is_no_operator_token(daemon):
     r = b.post("/login", {"token": key})
     assert r.status_code == 401 and "cubegate_console" not in r.cookies, r.status_code
     daemon.login()
+
+
+def test_every_api_port_of_the_daemon_is_an_own_listener(tmp_path):
+    """FINDING: the SSRF guard's own endpoints (never an upstream, whatever `upstream.allow_cidrs`
+    exempts) named the proxy, ops, vault, policy and console ports but not the sandbox API
+    (runtime.api_port) nor the E2B API (e2b.port). With loopback exempted (an operator reaching a
+    local service: `allow_cidrs: [127.0.0.0/8]`) and a policy allowing it, an agent on the explicit
+    proxy could CONNECT to them. The guard the workers build from the real settings refuses each."""
+    import asyncio
+
+    from cubegate.dataplane import build_guard
+    from cubegate.settings import load_settings
+    path = tmp_path / "settings.yaml"
+    path.write_text(yaml.safe_dump({
+        "state_dir": str(tmp_path / "state"),
+        "proxy": {"transparent_port": 18999},
+        "upstream": {"allow_cidrs": ["127.0.0.0/8"]},
+        "runtime": {"enabled": True, "api_port": 19092},
+        "e2b": {"enabled": True, "port": 13000},
+        "console": {"enabled": True, "port": 19094}}))
+    s = load_settings(path, environ={})
+    guard, _ = asyncio.run(build_guard(s))
+    for port in (19092, 13000, 19094, s.vault.api_port, s.policy_api.port, s.ops.port, s.proxy.explicit_port):
+        assert guard.check("127.0.0.1", port) == "own_listener", port
+        assert guard.check("::ffff:127.0.0.1", port) == "own_listener", port
+    assert guard.check("127.0.0.1", 5432) is None      # the exemption itself still works
