@@ -1,0 +1,105 @@
+"""Attack pass 5 on the E2B API, the runtime API and what a sandbox can reach: the real daemon,
+namespace sandboxes on the cubevs switch, the vault; raw HTTP as the SDK sends it."""
+from __future__ import annotations
+
+import httpx
+import pytest
+import yaml
+
+from testbed.netns import call_in_netns
+from tests.gateway.switchlab import HUB_IP, switch_lab
+from tests.sandbox_runtime.daemonlab import runtime_api, sandbox_create, sandbox_sh
+
+pytestmark = pytest.mark.netns
+
+TPORT, API_PORT, E2B_PORT = 18484, 18483, 18485
+BASE = f"http://127.0.0.1:{E2B_PORT}"
+POLICY = """\
+name: acme-agents
+tenant: acme
+applies_to: {labels: {tenant: acme}}
+default: deny
+rules:
+  - name: lab
+    action: allow
+    match: {hosts: [api.allowed.test], ports: [443, 80]}
+"""
+
+
+@pytest.fixture(scope="module")
+def e2b(lab, tmp_path_factory):
+    settings = {"dns": {"listen_host": HUB_IP, "port": 53},
+                "runtime": {"enabled": True, "api_port": API_PORT, "memory_mb": 2048, "cpus": 2.0,
+                            "max_sandboxes": 8, "host_reserve_mb": 256, "default_memory_mb": 128},
+                "e2b": {"enabled": True, "port": E2B_PORT, "tenant": "acme"}}
+    keys = {}
+
+    def vault_and_tenant_key(gw):
+        """Before the daemon starts: a vault, an operator's admin token and globex's E2B key."""
+        gw.cli("vault", "init")
+        for name in ("operator", "globex"):
+            keys[name] = gw.cli("vault", "token", "create", "--scope", "admin", "--description", name).strip()
+        doc = yaml.safe_load(gw.settings_path.read_text())
+        doc["e2b"]["token_tenants"] = {keys["globex"].split("_")[1]: "globex"}
+        gw.settings_path.write_text(yaml.safe_dump(doc))
+
+    with switch_lab(lab, tmp_path_factory.mktemp("e2b-attack5"), POLICY, sandbox=None, tport=TPORT, prefix="a5",
+                    settings_extra=settings, before_start=vault_and_tenant_key) as (gw, sw, _):
+        gw.keys = keys
+        gw.sandbox_ca = gw.ca_cert
+        yield gw
+
+
+def _in_gw(lab, fn, timeout: float = 90):
+    return call_in_netns(lab.gw_ns, fn, timeout=timeout)
+
+
+def test_a_tenants_e2b_key_cannot_drive_the_runtime_api(e2b, lab):
+    """FINDING: globex's E2B API key (e2b.token_tenants) was an admin token of the runtime API:
+    it listed acme's sandboxes and ran commands in them (and read their files). Now the runtime
+    API refuses it (401), while it still works on the E2B API for globex's own sandboxes; an
+    operator's admin token and the runtime token file keep working (the control)."""
+    sid = "attack5-acme-1"
+    sandbox_create(lab, e2b, sid)
+    try:
+        key, operator = e2b.keys["globex"], e2b.keys["operator"]
+        listed = runtime_api(lab, e2b, API_PORT, "GET", "/sandboxes", token=operator)
+        assert listed.status_code == 200 and sid in listed.text, listed.text
+        for method, path, body in (("GET", "/sandboxes", None), ("GET", f"/sandboxes/{sid}", None),
+                                   ("POST", f"/sandboxes/{sid}/exec", {"argv": ["id"]}),
+                                   ("DELETE", f"/sandboxes/{sid}", None)):
+            r = runtime_api(lab, e2b, API_PORT, method, path, token=key, **({"json": body} if body else {}))
+            assert r.status_code == 401, (method, path, r.status_code, r.text[:300])
+        assert sandbox_sh(lab, e2b, sid, "echo alive") == (0, "alive\n")    # the DELETE did nothing
+
+        def e2b_list():
+            with httpx.Client(timeout=30, trust_env=False) as c:
+                return [c.get(f"{BASE}/v2/sandboxes", headers={"X-API-Key": k}) for k in (key, operator)]
+        mine, operators = _in_gw(lab, e2b_list)
+        assert mine.status_code == 200 and sid not in mine.text, mine.text          # globex sees none of acme's
+        assert operators.status_code == 200, operators.text
+    finally:
+        runtime_api(lab, e2b, API_PORT, "DELETE", f"/sandboxes/{sid}")
+
+
+def test_held_a_sandbox_reaches_none_of_the_daemons_apis(e2b, lab):
+    """Held: from inside a sandbox, a TCP connect to every API port of the daemon (runtime, E2B,
+    vault admin, policy, ops) at the hub address, the lab address of the gateway's namespace,
+    loopback and link-local/metadata gets nowhere; IPv6 (loopback, link-local) has no route."""
+    sid = "attack5-probe-1"
+    sandbox_create(lab, e2b, sid)
+    try:
+        s = yaml.safe_load(e2b.settings_path.read_text())
+        ports = [API_PORT, E2B_PORT, s["vault"]["api_port"], s["policy_api"]["port"], s["ops"]["port"]]
+        addrs = [HUB_IP, lab.gw_addr, "127.0.0.1", "169.254.169.254"]
+        control = f"{HUB_IP}/{e2b.proxy_port}"      # the explicit proxy: the switch lets it through
+        probe = " ".join([control, *(f"{a}/{p}" for a in addrs for p in ports), f"::1/{API_PORT}",
+                          f"fe80::1/{API_PORT}"])
+        script = (f"for t in {probe}; do a=${{t%/*}}; p=${{t##*/}}; "
+                  "if timeout 1 bash -c \"exec 3<>/dev/tcp/$a/$p\" 2>/dev/null; then echo OPEN $t; fi; done; "
+                  "echo done")
+        rc, out = sandbox_sh(lab, e2b, sid, script, timeout=120)
+        assert rc == 0 and out.strip().endswith("done"), out
+        assert out.count("OPEN") == 1 and f"OPEN {control}" in out, out
+    finally:
+        runtime_api(lab, e2b, API_PORT, "DELETE", f"/sandboxes/{sid}")
