@@ -25,9 +25,10 @@ def daemon(tmp_path_factory):
         d.stop()
 
 
-def _api(d, which: str, method: str, path: str, token: str, **kw) -> httpx.Response:
+def _api(d, which: str, method: str, path: str, token: str, headers: dict | None = None, **kw) -> httpx.Response:
     port = d.settings[which]["port" if which == "policy_api" else "api_port"]
-    return httpx.request(method, f"http://127.0.0.1:{port}/v1{path}", headers={"Authorization": f"Bearer {token}"},
+    return httpx.request(method, f"http://127.0.0.1:{port}/v1{path}",
+                         headers={"Authorization": f"Bearer {token}", **(headers or {})},
                          timeout=10, trust_env=False, **kw)
 
 
@@ -83,3 +84,73 @@ def test_every_api_port_of_the_daemon_is_an_own_listener(tmp_path):
         assert guard.check("127.0.0.1", port) == "own_listener", port
         assert guard.check("::ffff:127.0.0.1", port) == "own_listener", port
     assert guard.check("127.0.0.1", 5432) is None      # the exemption itself still works
+
+
+DEEP = "[" * 5000      # 5 KB: well inside every body limit
+
+
+def test_a_deeply_nested_policy_is_a_clear_400_and_changes_nothing(daemon):
+    """FINDING: the policy loader walks YAML with PyYAML's recursive composer: a body nested a few
+    thousand levels deep raised RecursionError, which the policy API answered 500 (and the console's
+    editor too). Now it is a 400 naming the problem; nothing is stored."""
+    token = daemon.tokens["admin"]
+    before = _api(daemon, "policy_api", "GET", "/policies", token).json()
+    for method, path in (("PUT", "/policies/deep"), ("POST", "/policies/deep/validate")):
+        for body in (DEEP, "rules: " + DEEP, '{"rules": ' * 3000):
+            r = _api(daemon, "policy_api", method, path, token, content=body.encode(),
+                     headers={"Content-Type": "application/yaml"})
+            assert r.status_code == 400, (method, path, body[:20], r.status_code, r.text[:300])
+            assert "nest" in r.text, r.text[:300]
+    assert _api(daemon, "policy_api", "GET", "/policies", token).json() == before
+    assert _api(daemon, "policy_api", "GET", "/policies/deep", token).status_code == 404
+
+
+def test_a_deeply_nested_policy_file_is_a_reported_reload_error(daemon):
+    """FINDING (same cause, the file side): the RecursionError escaped the reload, so the watcher
+    logged a traceback and /readyz, `last_error` and the reload counter never said the file was
+    refused. Now it is refused like any broken file (file:line, old policy in force)."""
+    bad = daemon.dir / "policies" / "deep.yaml"
+    bad.write_text(DEEP)
+    try:
+        import time
+        deadline, doc = time.monotonic() + 15, None
+        while time.monotonic() < deadline:
+            # (file reloads are still parsed on the daemon's loop: a deep file holds it ~2 s here)
+            doc = httpx.get(f"http://127.0.0.1:{daemon.ops_port}/readyz", timeout=10, trust_env=False).json()
+            if "deep.yaml" in str(doc):
+                break
+            time.sleep(0.3)
+        assert "deep.yaml" in str(doc) and "nest" in str(doc), doc
+        assert "RecursionError" not in daemon.log(), daemon.log()[-2000:]
+    finally:
+        bad.unlink()
+        time.sleep(1.5)        # the module's daemon goes on with its files as they were
+
+
+def test_a_slow_policy_body_neither_stalls_the_daemon_nor_is_unbounded(daemon):
+    """FINDING: policy bodies were parsed (pure-Python YAML, a few seconds per 100 KB of flow
+    lists on these cores) on the daemon's event loop, and a `read` token may validate: one
+    request stalled every API, /readyz and the sandbox resolver until it was done, and the body
+    could be 1 MiB. Now a policy is at most 256 KiB (400 beyond), and it is parsed off the loop:
+    a vault status asked meanwhile is answered before the slow validate is (ordering, not speed)."""
+    import threading
+    token = daemon.tokens["read"]
+    huge = ("rules: [" + "[1]," * (300 * 1024 // 4) + "]").encode()
+    r = _api(daemon, "policy_api", "POST", "/policies/big/validate", token, content=huge)
+    assert r.status_code in (400, 413) and "256 KiB" in r.text, (r.status_code, r.text[:300])
+    slow = ("rules: [" + "[1]," * (200 * 1024 // 4) + "]").encode()
+    done: list[tuple[str, float]] = []
+
+    def validate():
+        v = httpx.post(f"http://127.0.0.1:{daemon.settings['policy_api']['port']}/v1/policies/slow/validate",
+                       headers={"Authorization": f"Bearer {token}"}, content=slow, timeout=120, trust_env=False)
+        done.append(("validate", v.status_code))
+
+    t = threading.Thread(target=validate)
+    t.start()
+    import time
+    time.sleep(0.5)                      # the validate is being parsed
+    status = _api(daemon, "vault", "GET", "/status", daemon.tokens["admin"])
+    done.append(("status", status.status_code))
+    t.join(120)
+    assert done == [("status", 200), ("validate", 400)], done
