@@ -28,3 +28,35 @@ def test_failed_logins_by_anyone_do_not_lock_out_a_valid_token(daemon):
     daemon.login(daemon.tokens["read"])
     r = b.post("/login", {"token": "wrong"})
     assert r.status_code == 429, r.status_code       # wrong tokens are still held off
+
+
+def test_the_33rd_command_in_ten_minutes_still_runs():
+    """FINDING: the console kept finished exec jobs for 10 minutes and refused a new one once 32
+    were kept, running or not: an operator's 33rd command in ten minutes got 429 "busy". A new job
+    now replaces the oldest finished one; only 32 jobs actually running are refused."""
+    import asyncio
+
+    from cubegate.console import exec_jobs
+
+    async def scenario():
+        jobs = exec_jobs.ExecJobs(lambda e: "failed")
+
+        async def quick(job):
+            return {"exit_code": 0}
+        first = [jobs.start("sb-1", "tok", quick) for _ in range(exec_jobs.MAX_JOBS)]
+        await asyncio.gather(*(j.task for j in first))
+        later = jobs.start("sb-1", "tok", quick)        # the 33rd: runs
+        await later.task
+        assert later.result == {"exit_code": 0} and jobs.get(first[0].id, "tok") is None
+        assert jobs.get(first[-1].id, "tok") is not None      # the newer finished ones are kept
+
+        gate = asyncio.Event()
+
+        async def slow(job):
+            await gate.wait()
+        running = [jobs.start("sb-1", "tok", slow) for _ in range(exec_jobs.MAX_JOBS)]
+        with pytest.raises(OverflowError):
+            jobs.start("sb-1", "tok", slow)              # 32 running: refused
+        gate.set()
+        await asyncio.gather(*(j.task for j in running))
+    asyncio.run(scenario())
