@@ -103,3 +103,47 @@ def test_held_a_sandbox_reaches_none_of_the_daemons_apis(e2b, lab):
         assert out.count("OPEN") == 1 and f"OPEN {control}" in out, out
     finally:
         runtime_api(lab, e2b, API_PORT, "DELETE", f"/sandboxes/{sid}")
+
+
+def test_only_an_upload_may_send_a_large_body(e2b, lab):
+    """FINDING: the E2B API took every body up to e2b.max_upload_mb (256 MiB), read whole before
+    the API key is checked and then parsed as JSON (several times its size in memory): a create or
+    an envd RPC of 200 MiB from anyone on the host. Now only an upload (POST /files) may be that
+    large; any other body over 4 MiB is a 413 before a byte of it is read. An upload of 6 MiB
+    still works (the control)."""
+    import socket
+
+    def declared(path: str, length: int) -> bytes:
+        s = socket.create_connection(("127.0.0.1", E2B_PORT), timeout=5)
+        try:
+            s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {length}\r\n\r\n{{".encode())
+            s.settimeout(3)
+            try:
+                return s.recv(4096)
+            except socket.timeout:
+                return b""
+        finally:
+            s.close()
+
+    def scenario():
+        out = {p: declared(p, 8 << 20)[:12] for p in ("/v2/sandboxes", "/process.Process/Start", "/execute")}
+        key = e2b.keys["operator"]
+        with httpx.Client(timeout=120, trust_env=False) as c:
+            r = c.post(f"{BASE}/v2/sandboxes", headers={"X-API-Key": key}, json={"templateID": "base", "timeout": 120})
+            assert r.status_code == 201, r.text
+            sid, token = r.json()["sandboxID"], r.json()["envdAccessToken"]
+            try:
+                blob = bytes(range(256)) * (6 * 4096)
+                envd = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983", "X-Access-Token": token}
+                up = c.post(f"{BASE}/files", params={"path": "/home/user/big.bin"}, headers=envd,
+                            files={"file": ("big.bin", blob)})
+                back = c.get(f"{BASE}/files", params={"path": "/home/user/big.bin"}, headers=envd)
+                out["upload"] = (up.status_code, back.status_code, back.content == blob)
+            finally:
+                c.delete(f"{BASE}/sandboxes/{sid}", headers={"X-API-Key": key})
+        return out
+    out = _in_gw(lab, scenario, timeout=240)
+    for path in ("/v2/sandboxes", "/process.Process/Start", "/execute"):
+        assert out[path] == b"HTTP/1.1 413", out
+    assert out["upload"] == (200, 200, True), out
