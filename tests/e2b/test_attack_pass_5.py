@@ -30,7 +30,8 @@ rules:
 def e2b(lab, tmp_path_factory):
     settings = {"dns": {"listen_host": HUB_IP, "port": 53},
                 "runtime": {"enabled": True, "api_port": API_PORT, "memory_mb": 2048, "cpus": 2.0,
-                            "max_sandboxes": 8, "host_reserve_mb": 256, "default_memory_mb": 128},
+                            "max_sandboxes": 8, "host_reserve_mb": 256, "default_memory_mb": 128,
+                            "auto_pause_seconds": 3},
                 "e2b": {"enabled": True, "port": E2B_PORT, "tenant": "acme"}}
     keys = {}
 
@@ -147,3 +148,76 @@ def test_only_an_upload_may_send_a_large_body(e2b, lab):
     for path in ("/v2/sandboxes", "/process.Process/Start", "/execute"):
         assert out[path] == b"HTTP/1.1 413", out
     assert out["upload"] == (200, 200, True), out
+
+
+def _wait(pred, timeout: float, step: float = 0.5):
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(step)
+    return pred()
+
+
+def test_an_idle_paused_e2b_sandbox_still_ends_at_its_end_time(e2b, lab):
+    """FINDING: with runtime.auto_pause_seconds, an E2B sandbox nobody used was frozen for
+    idleness and the E2B reaper, which keeps paused sandboxes past their end time (as E2B keeps
+    the ones a client paused), kept it forever: a tenant's forgotten sandboxes never expired and
+    held their reservations. Now only a sandbox paused by the client outlives its end time."""
+    key = e2b.keys["operator"]
+
+    def scenario():
+        with httpx.Client(timeout=60, trust_env=False) as c:
+            r = c.post(f"{BASE}/v2/sandboxes", headers={"X-API-Key": key}, json={"templateID": "base", "timeout": 8})
+            assert r.status_code == 201, r.text
+            sid = r.json()["sandboxID"]
+            try:
+                state = lambda: c.get(f"http://127.0.0.1:{API_PORT}/v1/sandboxes/{sid}",  # noqa: E731
+                                      headers={"Authorization": f"Bearer {key}"})
+                paused = _wait(lambda: state().status_code == 200 and state().json()["state"] == "paused", 30)
+                gone = _wait(lambda: c.get(f"{BASE}/sandboxes/{sid}", headers={"X-API-Key": key}).status_code == 404,
+                             40)
+                return paused, gone, state().status_code
+            finally:
+                c.delete(f"{BASE}/sandboxes/{sid}", headers={"X-API-Key": key})
+    paused, gone, runtime_status = _in_gw(lab, scenario, timeout=150)
+    assert paused, "never auto-paused: the test proves nothing"
+    assert gone and runtime_status == 404, (gone, runtime_status)
+
+
+def test_a_command_whose_output_a_client_reads_is_not_frozen(e2b, lab):
+    """FINDING: an E2B command (process.Start, its output streamed to the client) counted as a
+    call only while it was being started: a command quiet on the network for longer than
+    auto_pause_seconds (a build, a sleep) was frozen under the client, which then waited for
+    output that could not come. A stream being read now keeps the sandbox awake."""
+    import json
+    import struct
+    key = e2b.keys["operator"]
+
+    def envelope(doc: dict) -> bytes:
+        raw = json.dumps(doc).encode()
+        return struct.pack(">BI", 0, len(raw)) + raw
+
+    def scenario():
+        with httpx.Client(timeout=60, trust_env=False) as c:
+            r = c.post(f"{BASE}/v2/sandboxes", headers={"X-API-Key": key}, json={"templateID": "base", "timeout": 120})
+            assert r.status_code == 201, r.text
+            sid, token = r.json()["sandboxID"], r.json()["envdAccessToken"]
+            try:
+                body = envelope({"process": {"cmd": "sh", "args": ["-c", "sleep 7; echo done-after-sleep"]}})
+                got = c.post(f"{BASE}/process.Process/Start", content=body, timeout=25,
+                             headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983", "X-Access-Token": token,
+                                      "Content-Type": "application/connect+json"})
+                rec = c.get(f"http://127.0.0.1:{API_PORT}/v1/sandboxes/{sid}", headers={"Authorization": f"Bearer {key}"})
+                return got.status_code, got.content, rec.json()
+            except httpx.ReadTimeout:
+                return "timeout", b"", None
+            finally:
+                c.delete(f"{BASE}/sandboxes/{sid}", headers={"X-API-Key": key})
+    status, content, rec = _in_gw(lab, scenario, timeout=150)
+    import base64
+    assert status == 200 and base64.b64encode(b"done-after-sleep").decode()[:16] in content.decode(errors="replace"), \
+        (status, content[-400:])
+    assert rec["state"] == "running", rec
