@@ -28,7 +28,7 @@ rules:
 
 @pytest.fixture(scope="module")
 def e2b(lab, tmp_path_factory):
-    settings = {"dns": {"listen_host": HUB_IP, "port": 53},
+    settings = {"dns": {"listen_host": HUB_IP, "port": 53, "audit_interval_seconds": 5},
                 "runtime": {"enabled": True, "api_port": API_PORT, "memory_mb": 2048, "cpus": 2.0,
                             "max_sandboxes": 8, "host_reserve_mb": 256, "default_memory_mb": 128,
                             "auto_pause_seconds": 3},
@@ -221,3 +221,51 @@ def test_a_command_whose_output_a_client_reads_is_not_frozen(e2b, lab):
     assert status == 200 and base64.b64encode(b"done-after-sleep").decode()[:16] in content.decode(errors="replace"), \
         (status, content[-400:])
     assert rec["state"] == "running", rec
+
+
+def test_a_sandbox_flooding_denied_names_cannot_flood_the_audit_log(e2b, lab):
+    """FINDING: every refused lookup was one audit record: one sandbox sending random names
+    (6,493 in 5 s here, 3.3 MB of records) fills a 64 MiB audit file in minutes and pushes every
+    sandbox's older records out of the rotation (20 files by default) within the hour. Now at
+    most 50 refusals per sandbox and interval are written one by one; the rest are counted into
+    one `dns_denials_counted` record at the interval's end. Every query is still refused."""
+    import json
+    import time
+    sid = "attack5-dnsflood-1"
+    sandbox_create(lab, e2b, sid)
+    try:
+        script = ("python3 - <<'PY'\n"
+                  "import socket, struct, time\n"
+                  "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(1)\n"
+                  "t0, n, nx = time.monotonic(), 0, 0\n"
+                  "while n < 2000 and time.monotonic() - t0 < 8:\n"
+                  "    labels = [b'f%d' % n, b'denied', b'example']\n"
+                  "    q = struct.pack('>HHHHHH', n & 0xffff, 0x0100, 1, 0, 0, 0) + b''.join(bytes([len(x)]) + x for x in labels)\n"
+                  "    s.sendto(q + b'\\0' + struct.pack('>HH', 1, 1), ('HUB_IP', 53))\n"
+                  "    try:\n"
+                  "        nx += (s.recv(512)[3] & 15) == 3\n"
+                  "    except OSError:\n"
+                  "        pass\n"
+                  "    n += 1\n"
+                  "print(n, nx)\n"
+                  "PY").replace("HUB_IP", HUB_IP)
+        rc, out = sandbox_sh(lab, e2b, sid, script, timeout=60)
+        sent, nxdomain = map(int, out.split())
+        assert rc == 0 and sent > 100 and nxdomain == sent, out
+
+        def records():
+            recs = [json.loads(line) for f in sorted(e2b.audit_dir.glob("*.jsonl")) for line in f.read_text().splitlines()]
+            return [r for r in recs if r.get("event") == "dns" and r.get("sandbox") == sid and r.get("decision") == "deny"]
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:      # the interval's count is written at its end (5 s here)
+            recs = records()
+            one_by_one = [r for r in recs if r["reason"] == "dns_not_allowed"]
+            counted = sum(r["extra"]["refused"] for r in recs if r["reason"] == "dns_denials_counted")
+            if len(one_by_one) + counted >= sent:
+                break
+            time.sleep(0.5)
+        assert len(one_by_one) + counted == sent, (len(one_by_one), counted, sent)
+        intervals = 8 // 5 + 2
+        assert len(one_by_one) <= 50 * intervals, len(one_by_one)
+    finally:
+        runtime_api(lab, e2b, API_PORT, "DELETE", f"/sandboxes/{sid}")
