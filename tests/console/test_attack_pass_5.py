@@ -60,3 +60,17 @@ def test_the_33rd_command_in_ten_minutes_still_runs():
         gate.set()
         await asyncio.gather(*(j.task for j in running))
     asyncio.run(scenario())
+
+
+def test_one_token_logging_in_again_and_again_cannot_log_the_others_out(daemon):
+    """FINDING: the console keeps at most 256 sessions and drops the least recently used: a
+    read-scope token logging in 256 times ended every operator's session. One actor now holds
+    at most 16 sessions (its own oldest goes first); the others' sessions stay."""
+    admin = daemon.login()
+    for _ in range(300):
+        b = Browserish(daemon)
+        b.get("/login")
+        r = b.post("/login", {"token": daemon.tokens["read"]})
+        assert r.status_code == 303, r.status_code
+    r = admin.get("/")
+    assert r.status_code == 200 and "Overview" in r.text, (r.status_code, r.headers.get("location"))
