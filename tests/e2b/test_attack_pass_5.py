@@ -269,3 +269,23 @@ def test_a_sandbox_flooding_denied_names_cannot_flood_the_audit_log(e2b, lab):
         assert len(one_by_one) <= 50 * intervals, len(one_by_one)
     finally:
         runtime_api(lab, e2b, API_PORT, "DELETE", f"/sandboxes/{sid}")
+
+
+def test_held_an_exec_inherits_no_descriptor_and_cannot_reach_the_agent(e2b, lab):
+    """Held: a command started through the agent holds only stdin/stdout/stderr (no agent socket,
+    listening socket or pipe of another exec) and cannot read the agent's environment, memory or
+    descriptors (the agent is not dumpable, though it runs as the same uid)."""
+    sid = "attack5-fds-1"
+    sandbox_create(lab, e2b, sid)
+    try:
+        rc, out = sandbox_sh(lab, e2b, sid, "ls /proc/self/fd | sort -n | tr '\\n' ' '; echo;"
+                             " a=$(for p in /proc/[0-9]*; do [ \"$(cat $p/comm 2>/dev/null)\" = agent ] && echo ${p#/proc/}; done | head -1); echo agent=$a;"
+                             " cat /proc/$a/environ >/dev/null 2>&1 && echo ENVIRON-READ;"
+                             " head -c1 /proc/$a/mem >/dev/null 2>&1 && echo MEM-READ;"
+                             " ls /proc/$a/fd >/dev/null 2>&1 && echo FD-LISTED; echo end")
+        lines = out.split("\n")
+        assert rc == 0 and lines[0].split() == ["0", "1", "2", "3"], out     # 3: ls's own directory
+        assert lines[1].startswith("agent=") and lines[1] != "agent=", out
+        assert "ENVIRON-READ" not in out and "MEM-READ" not in out and "FD-LISTED" not in out, out
+    finally:
+        runtime_api(lab, e2b, API_PORT, "DELETE", f"/sandboxes/{sid}")
