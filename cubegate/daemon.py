@@ -98,7 +98,7 @@ class Daemon:
             from cubegate import policy_api
             from cubegate.admin_tokens import AdminTokens, ensure_token_file
             ensure_token_file(s.admin_token_file)
-            tokens = AdminTokens(s.admin_token_file, self.vault.tokens if self.vault is not None else None)
+            tokens = AdminTokens(s.admin_token_file, self.operator_tokens)
             self.policy_api = policy_api.serve(self.policies, self.access, tokens, port=s.policy_api.port,
                                                audit_hook=self._admin_audit)
         from cubegate.console import service as console_service   # the web console (console.enabled)
@@ -129,6 +129,8 @@ class Daemon:
         # inherit them; the workers get them over their link (cubegate/workerlink.py).
         self._key_env = {k: os.environ.pop(k) for k in vaultlib.KEY_ENV_VARS if k in os.environ}
         self.vault = open_vault(self.settings, self._key_env, self.policies)
+        from cubegate.tenant_keys import operator_tokens   # tenants' E2B keys are for the E2B API only
+        self.operator_tokens = operator_tokens(self.settings, self.vault)
 
     def _policy_changed(self, old, new) -> None:
         """Tell every worker (the runtime API changes network options from its worker threads)."""
@@ -184,7 +186,8 @@ class Daemon:
             return
         from vault.api import serve
         self.vault_api = serve(_SealFanout(self.vault, self._vault_changed), host="127.0.0.1",
-                               port=self.settings.vault.api_port, audit_hook=self._admin_audit)
+                               port=self.settings.vault.api_port, tokens=self.operator_tokens,
+                               audit_hook=self._admin_audit)
 
     def _vault_changed(self, msg: dict) -> None:
         """The admin API sealed or unsealed the vault (maybe from an executor thread): every worker too."""

@@ -20,6 +20,10 @@ async def build_guard(s) -> tuple[netguard.AddressGuard, netguard.GuardedResolve
            ("127.0.0.1", s.vault.api_port), ("127.0.0.1", s.policy_api.port)}
     if s.console.enabled:
         own.add(("127.0.0.1", s.console.port))
+    if s.runtime.enabled:     # the sandbox API, and the E2B API (control plane + envd) behind it
+        own.add(("127.0.0.1", s.runtime.api_port))
+        if s.e2b.enabled:
+            own.add(("127.0.0.1", s.e2b.port))
     if s.proxy.transparent_port:
         own.add((s.proxy.listen_host, s.proxy.transparent_port))
     if s.dns.listen_host:

@@ -11,7 +11,11 @@ window ends (repeats are free); then it counts as new again. State per key is at
 AnswerAggregator — allowed answers are audited as one record per (sandbox, name) per
 interval with counters, not one per query; refusals by the limiter as one record per
 (sandbox, scope). Tracked keys are capped: beyond the cap queries are only counted
-(per sandbox, itself capped) instead of growing the state.
+(per sandbox, itself capped) instead of growing the state. Other refusals (names the
+policy never allows, SSRF answers) are written one by one, but at most
+``MAX_DENIALS_PER_INTERVAL`` per sandbox and interval: beyond that they are counted into
+one record at the interval's end (a sandbox flooding random names would otherwise fill
+the audit log and push every sandbox's older records out of its rotation).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ MAX_LIMITER_KEYS = 50_000       # (sandbox, scope) pairs: sandboxes x wildcard r
 MAX_AGGREGATE_KEYS = 20_000     # (sandbox, name) + (sandbox, scope) pairs per interval
 MAX_QTYPES_PER_NAME = 8         # distinct qtypes counted by name per key; the rest as OTHER
 MAX_OVERFLOW_SANDBOXES = 1_000  # sandboxes named in the overflow counts; the rest as "*"
+MAX_DENIALS_PER_INTERVAL = 50   # refusals written one by one per sandbox and interval; the rest counted
 _SWEEP_EVERY = 1.0              # at most one full sweep per second when the key cap is hit
 
 NEW, KNOWN, LIMITED, FULL = "new", "known", "limited", "full"
@@ -100,14 +105,31 @@ class LimitedCounts:
 
 
 @dataclass
+class DeniedCounts:
+    written: int = 0                     # refusals written one by one this interval
+    counted: int = 0                     # refusals past MAX_DENIALS_PER_INTERVAL: only counted
+    first_name: str = ""                 # the first of those
+    reasons: dict[str, int] = field(default_factory=dict)
+
+    def reasons_text(self) -> str:
+        return ",".join(f"{r}={n}" for r, n in sorted(self.reasons.items()))
+
+
+@dataclass
 class Interval:
     """What one interval saw, ready to become audit records."""
     names: dict[tuple[str, str], NameCounts]           # (sandbox, name)
     limited: dict[tuple[str, str], LimitedCounts]      # (sandbox, scope)
     overflow: dict[str, int]                           # sandbox ("*" past the cap) -> untracked queries
+    denied: dict[str, DeniedCounts] = field(default_factory=dict)   # sandbox ("*" past the cap)
 
     def __bool__(self) -> bool:
-        return bool(self.names or self.limited or self.overflow)
+        return bool(self.names or self.limited or self.overflow or self.suppressed)
+
+    @property
+    def suppressed(self) -> dict[str, DeniedCounts]:
+        """Sandboxes with refusals that were only counted (one record each)."""
+        return {sb: c for sb, c in self.denied.items() if c.counted}
 
 
 class AnswerAggregator:
@@ -121,6 +143,7 @@ class AnswerAggregator:
         self._names: dict[tuple[str, str], NameCounts] = {}
         self._limited: dict[tuple[str, str], LimitedCounts] = {}
         self._overflow: dict[str, int] = {}
+        self._denied: dict[str, DeniedCounts] = {}
 
     def _room(self) -> bool:
         return len(self._names) + len(self._limited) < self.max_keys
@@ -159,9 +182,25 @@ class AnswerAggregator:
         c.refused += 1
         return c.refused == 1
 
+    def denied(self, sandbox: str, name: str, reason: str) -> bool:
+        """One refusal; True while the sandbox has had fewer than MAX_DENIALS_PER_INTERVAL this
+        interval (the caller writes it at once), else it is only counted."""
+        if sandbox not in self._denied and len(self._denied) >= MAX_OVERFLOW_SANDBOXES:
+            sandbox = "*"
+        c = self._denied.setdefault(sandbox, DeniedCounts())
+        if c.written < MAX_DENIALS_PER_INTERVAL and sandbox != "*":
+            c.written += 1
+            return True
+        if not c.counted:
+            c.first_name = name
+        c.counted += 1
+        if reason in c.reasons or len(c.reasons) < MAX_QTYPES_PER_NAME:
+            c.reasons[reason] = c.reasons.get(reason, 0) + 1
+        return False
+
     def drain(self) -> Interval:
         """Everything counted since the last drain; the counters start again from zero."""
-        out = Interval(self._names, self._limited, self._overflow)
+        out = Interval(self._names, self._limited, self._overflow, self._denied)
         self._reset()
         return out
 

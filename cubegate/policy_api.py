@@ -21,9 +21,11 @@ in <state_dir>/policies.db and an `admin` audit record. Tokens: see admin_tokens
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import ipaddress
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpkit
 from httpkit import ApiError, AuditHook, JsonHandler, PathParam, operation
@@ -34,6 +36,13 @@ from egress.policy.hosts import parse_ip
 from egress.policy.live import LivePolicies, NotFound, Refused
 
 MAX_BODY = 1024 * 1024
+# Policy bodies are parsed here, one at a time, never on the daemon's event loop (which also
+# answers the other APIs, /readyz and the sandbox resolver): parsing takes seconds at the size limit.
+_PARSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="policy-parse")
+
+
+async def off_loop(fn, *args, **kw):
+    return await asyncio.get_running_loop().run_in_executor(_PARSER, lambda: fn(*args, **kw))
 _NAME = r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}"
 _WRITE = (403,)
 
@@ -94,10 +103,10 @@ class PolicyHandler(_Base):
 
     @operation("Create or replace a policy (body: the policy document, JSON or YAML)", raw_body="application/json",
                reply=m.Change, errors=_WRITE)
-    def put(self, name: str) -> None:
+    async def put(self, name: str) -> None:
         self.audit["name"] = name
         try:
-            v = self.live.put_policy(name, self.body_text(), actor=self.actor.id)
+            v = await off_loop(self.live.put_policy, name, self.body_text(), actor=self.actor.id)
         except PolicyError as e:
             return self.refuse_policy(e)
         self.changed(v, 201 if v.action == "create" else 200)
@@ -114,9 +123,9 @@ class ValidateHandler(_Base):
     read_ok = True
 
     @operation("Check a policy body as PUT would; changes nothing", raw_body="application/json")
-    def post(self, name: str) -> None:
+    async def post(self, name: str) -> None:
         try:
-            self.live.parse(name, self.body_text())
+            await off_loop(self.live.parse, name, self.body_text())
         except PolicyError as e:
             return self.refuse_policy(e)
         self.reply(200, {"ok": True, "name": name})

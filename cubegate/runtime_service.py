@@ -117,7 +117,7 @@ async def start_for(daemon) -> RuntimeService | None:
     if pool is not None:
         await asyncio.to_thread(pool.start)     # leftover slots of a previous daemon are removed first
     api = serve(manager, host="127.0.0.1", port=rt.api_port, token_file=s.runtime_dir / "api.token",
-                vault_tokens=daemon.vault.tokens if daemon.vault is not None else None,
+                vault_tokens=getattr(daemon, "operator_tokens", None),
                 audit_hook=daemon._admin_audit, default_backend=rt.default_backend,
                 default_limits=default_limits(rt), default_template=rt.default_template)
     log.info("runtime: sandbox API on 127.0.0.1:%d, backends %s", api.port, ", ".join(backends))

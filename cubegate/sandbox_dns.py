@@ -41,7 +41,8 @@ from typing import Any
 from dnslib import AAAA, QTYPE, RCODE, RR, A, DNSRecord
 from prometheus_client import CollectorRegistry, Counter
 
-from cubegate.dns_accounting import FULL, LIMITED, AnswerAggregator, Interval, NewNameLimiter
+from cubegate.dns_accounting import (FULL, LIMITED, MAX_DENIALS_PER_INTERVAL, AnswerAggregator, Interval,
+                                     NewNameLimiter)
 from egress.audit.record import make_record, now_ts
 from egress.destination import AGENT_HOST
 from egress.netguard import DestinationBlocked, DestinationUnresolvable
@@ -180,6 +181,11 @@ class SandboxDns:
                                    reason="dns_name_rate_limited",
                                    extra={**base, "refused": c.refused, "first_name": c.first_name,
                                           "limit_per_minute": self.limiter.limit}))
+        for sandbox, c in it.suppressed.items():
+            out.append(make_record("dns", sandbox=None if sandbox == "*" else sandbox, host=c.first_name,
+                                   decision="deny", reason="dns_denials_counted",
+                                   extra={**base, "refused": c.counted, "written": c.written,
+                                          "reasons": c.reasons_text(), "max_written": MAX_DENIALS_PER_INTERVAL}))
         for sandbox, n in it.overflow.items():
             out.append(make_record("dns", sandbox=None if sandbox == "*" else sandbox,
                                    reason="dns_audit_overflow",
@@ -309,7 +315,11 @@ class SandboxDns:
             self.metrics.overflow.labels(sandbox).inc()
 
     def _deny(self, ident, client: str, qname: str, reason: str, qtype: int, **extra) -> bool:
-        """Audit a refused lookup; False if the record could not be written."""
+        """Audit a refused lookup (past the sandbox's per-interval share: counted into one record
+        at the interval's end); False if the record could not be written."""
+        if not self.aggregator.denied(ident.sandbox_id, qname, reason):
+            self.metrics.records.labels("dns_denials_counted").inc()
+            return True
         try:
             rec = make_record("dns", sandbox=ident.sandbox_id, client=client, host=qname,
                               decision="deny", reason=reason, extra={"qtype": QTYPE.get(qtype, str(qtype)), **extra})

@@ -1,8 +1,11 @@
 """Listening: bind (loopback unless told otherwise, or a 0600 unix socket), body limit, stop.
 
-Bodies over `max_body` are refused before they are read: a declared
-Content-Length answers 413 with the JSON error body; a chunked body that
-grows past the limit is cut off by tornado itself (400, connection closed).
+Bodies over `max_body` (or the route's own limit, `body_limit(path)`) are refused
+before they are read: a declared Content-Length answers 413 with the JSON error
+body; a chunked body that grows past the limit is cut off (400, connection closed).
+Tornado reads a whole body before any handler (and its token check) runs, so the
+bodies one server holds at a time are bounded too (`max_buffered`, default twice
+`max_body`): a request whose body would not fit is answered 503 before it is read.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import json
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 import tornado.httpserver
 import tornado.httputil
@@ -60,62 +64,107 @@ class Server:
 
 def serve(app: tornado.web.Application, *, max_body: int, host: str = "127.0.0.1", port: int = 0,
           unix_socket: str | None = None, loopback_only: bool = True, what: str = "this API",
-          ssl_options=None) -> Server:
+          ssl_options=None, body_limit: Callable[[str], int] | None = None,
+          max_buffered: int | None = None) -> Server:
     """Start listening on the running asyncio loop. port=0 picks a free port; ssl_options (an
-    ssl.SSLContext): HTTPS."""
+    ssl.SSLContext): HTTPS. body_limit(path): a route's own limit (at most max_body);
+    max_buffered: all bodies being read at once (default 2 * max_body)."""
     if unix_socket:
         sockets = [tornado.netutil.bind_unix_socket(unix_socket, mode=0o600)]
     else:
         check_bind_address(host, not loopback_only, what)
         sockets = tornado.netutil.bind_sockets(port, address=host)
-    server = tornado.httpserver.HTTPServer(_BodyLimit(app, max_body), max_body_size=max_body, xheaders=False,
+    budget = _Budget(2 * max_body if max_buffered is None else max_buffered)
+    server = tornado.httpserver.HTTPServer(_BodyLimit(app, max_body, body_limit, budget), max_body_size=max_body,
+                                          xheaders=False,
                                           idle_connection_timeout=IDLE_SECONDS, body_timeout=IDLE_SECONDS,
                                           ssl_options=ssl_options)
     server.add_sockets(sockets)
     return Server(server, sockets, unix_socket)
 
 
+class _Budget:
+    """Bytes of request bodies being read at once (the event loop's thread only: no lock)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+
 class _BodyLimit(tornado.httputil.HTTPServerConnectionDelegate):
-    def __init__(self, app: tornado.web.Application, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app: tornado.web.Application, limit: int, body_limit, budget: _Budget):
+        self.app, self.limit, self.body_limit, self.budget = app, limit, body_limit, budget
 
     def start_request(self, server_conn, request_conn):
-        return _LimitedRequest(self.app.start_request(server_conn, request_conn), request_conn, self.limit)
+        return _LimitedRequest(self.app.start_request(server_conn, request_conn), request_conn, self)
 
     def on_close(self, server_conn) -> None:
         self.app.on_close(server_conn)
 
 
 class _LimitedRequest(tornado.httputil.HTTPMessageDelegate):
-    def __init__(self, inner: tornado.httputil.HTTPMessageDelegate, conn, limit: int):
-        self.inner, self.conn, self.limit = inner, conn, limit
+    def __init__(self, inner: tornado.httputil.HTTPMessageDelegate, conn, owner: _BodyLimit):
+        self.inner, self.conn, self.owner = inner, conn, owner
+        self.limit, self.held, self.seen = owner.limit, 0, 0
+
+    async def _refuse(self, start_line, status: str, error: str, message: str) -> None:
+        """Answer before reading a byte of the body, then drop the connection (detached:
+        tornado reads no further), so the client sees this, not a bare 400."""
+        log.info("%s %s %s: %s", status.split()[0], start_line.method, start_line.path.split("?")[0], message)
+        body = json.dumps({"error": error, "message": message}).encode()
+        stream = self.conn.detach()
+        try:
+            await stream.write(b"HTTP/1.1 %s\r\nContent-Type: application/json\r\n"
+                               b"Cache-Control: no-store\r\nConnection: close\r\n"
+                               b"Content-Length: %d\r\n\r\n%s" % (status.encode(), len(body), body))
+        finally:
+            stream.close()
 
     async def headers_received(self, start_line, headers):
-        length = headers.get("Content-Length", "0").split(",")[0].strip()
-        if length.isdigit() and int(length) > self.limit:
-            # Answer before reading a byte of the body, then drop the connection (detached:
-            # tornado reads no further), so the client sees this, not a bare 400.
-            log.info("413 %s %s: body of %s bytes, limit %d", start_line.method, start_line.path.split("?")[0],
-                     length, self.limit)
-            body = json.dumps({"error": "too_large",
-                               "message": f"request body is {int(length)} bytes; the limit is {self.limit}"}).encode()
-            stream = self.conn.detach()
-            try:
-                await stream.write(b"HTTP/1.1 413 Payload Too Large\r\nContent-Type: application/json\r\n"
-                                   b"Cache-Control: no-store\r\nConnection: close\r\n"
-                                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            finally:
-                stream.close()
-            return None
+        path = start_line.path.split("?", 1)[0]
+        if self.owner.body_limit is not None:
+            self.limit = min(self.owner.limit, self.owner.body_limit(path))
+        raw = headers.get("Content-Length")
+        length = raw.split(",")[0].strip() if raw is not None else None
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await self._refuse(start_line, "413 Payload Too Large", "too_large",
+                                      f"request body is {int(length)} bytes; the limit is {self.limit}")
+        # what this body may hold: its declared length, else (chunked) the whole limit
+        want = int(length) if length is not None and length.isdigit() else (
+            self.limit if "chunked" in headers.get("Transfer-Encoding", "").lower() else 0)
+        if want:
+            if not self.owner.budget.take(want):
+                return await self._refuse(start_line, "503 Service Unavailable", "busy",
+                                          "too many request bodies are being received; try again")
+            self.held = want
         return await _maybe(self.inner.headers_received(start_line, headers))
 
     def data_received(self, chunk):
+        self.seen += len(chunk)
+        if self.seen > self.limit:      # a chunked body past the route's limit: 400, closed (as tornado's own)
+            self._release()
+            raise tornado.httputil.HTTPInputError(f"request body over {self.limit} bytes")
         return self.inner.data_received(chunk)
 
+    def _release(self) -> None:
+        if self.held:
+            self.owner.budget.give(self.held)
+            self.held = 0
+
     def finish(self) -> None:
+        self._release()
         self.inner.finish()
 
     def on_connection_close(self) -> None:
+        self._release()
         self.inner.on_connection_close()
 
 

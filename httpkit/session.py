@@ -3,8 +3,10 @@
 The cookie carries only a random session id; the store keeps the SHA-256 of
 it (a leaked memory dump or log line holds no usable id) together with who
 logged in, a CSRF token and when the session was last used. Bounded: at most
-`max_sessions` live at once (the least recently used goes first). Pure apart
-from the clock, which tests pass in.
+`max_sessions` live at once (the least recently used goes first), and at most
+`max_per_actor` of one actor (its own oldest goes first: one token logging in over
+and over cannot push everyone else's sessions out). Pure apart from the clock,
+which tests pass in.
 """
 from __future__ import annotations
 
@@ -36,10 +38,11 @@ def _key(session_id: str) -> str:
 
 class SessionStore:
     def __init__(self, *, idle_seconds: float, max_age_seconds: float, max_sessions: int = 256,
-                 clock: Callable[[], float] = time.monotonic):
-        if idle_seconds <= 0 or max_age_seconds <= 0 or max_sessions <= 0:
-            raise ValueError("idle_seconds, max_age_seconds and max_sessions must be positive")
+                 max_per_actor: int = 16, clock: Callable[[], float] = time.monotonic):
+        if idle_seconds <= 0 or max_age_seconds <= 0 or max_sessions <= 0 or max_per_actor <= 0:
+            raise ValueError("idle_seconds, max_age_seconds, max_sessions and max_per_actor must be positive")
         self.idle_seconds, self.max_age_seconds, self.max_sessions = idle_seconds, max_age_seconds, max_sessions
+        self.max_per_actor = max_per_actor
         self._clock = clock
         self._sessions: OrderedDict[str, Session] = OrderedDict()
 
@@ -47,6 +50,9 @@ class SessionStore:
         """A new session (never reuses an id: no fixation); returns (id for the cookie, session)."""
         now = self._clock()
         self._expire(now)
+        own = [k for k, s in self._sessions.items() if s.actor == actor]   # least recently used first
+        for k in own[:max(0, len(own) - self.max_per_actor + 1)]:
+            del self._sessions[k]
         while len(self._sessions) >= self.max_sessions:
             self._sessions.popitem(last=False)
         session_id = secrets.token_urlsafe(32)

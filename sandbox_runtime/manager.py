@@ -457,6 +457,26 @@ class SandboxManager:
         finally:
             self.activity.end(sandbox_id)
 
+    def hold_awake(self, sandbox_id: str) -> Callable[[], None]:
+        """A use that outlasts its call (a client reading a command's output as it comes): counted
+        as a call in flight, so never auto-paused, until the returned release() is called."""
+        self.activity.begin(sandbox_id)
+        released = [False]
+
+        def release() -> None:
+            if not released[0]:
+                released[0] = True
+                self.activity.end(sandbox_id)
+        return release
+
+    def paused_by(self, sandbox_id: str) -> str | None:
+        """"idle" or "api" for a paused sandbox, else None (gone too)."""
+        try:
+            rec = self.get_record(sandbox_id)
+        except NotFound:
+            return None
+        return rec.paused_by if rec.state == "paused" else None
+
     def auto_pause_tick(self) -> list[str]:
         """Freeze every running sandbox idle for auto_pause_seconds (no call, no traffic).
         Returns the ids paused now."""

@@ -78,7 +78,8 @@ def create_key_file(path: str | os.PathLike) -> MasterKey:
 def load_key_file(path: str | os.PathLike) -> MasterKey:
     """Read a key file; refuse one that group or other can read or write."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        # O_NONBLOCK: a FIFO (or a device) must not block the open; it is refused just below
+        fd = os.open(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
         raise KeyFileError(f"key file {os.fspath(path)} not found") from None
     except OSError as e:

@@ -7,7 +7,7 @@ from httpkit import ApiError
 
 from .base import ConsoleHandler
 
-FAILURES_PER_MINUTE = 20   # more failed logins than this in a minute: refuse for a while (guessing)
+FAILURES_PER_MINUTE = 20   # more failed logins than this in a minute: wrong tokens get 429 for a while
 
 
 class LoginHandler(ConsoleHandler):
@@ -27,14 +27,16 @@ class LoginHandler(ConsoleHandler):
 
     def post(self) -> None:
         self.check_login_csrf()
-        recent = self._recent_failures()
-        if len(recent) >= FAILURES_PER_MINUTE:
-            self.reason = "too many failed logins"
-            self._login_page(429, "Too many failed logins in the last minute: wait and try again.")
-            return
         token = self.get_body_argument("token", "", strip=True)
-        info = self.ctx.vault.tokens.verify(token) if token else None
+        info = self.login_tokens.verify(token) if token else None
         if info is None:
+            # Every client is loopback: the count is everyone's, so it holds off wrong tokens
+            # only — a valid one always logs in (else anyone could keep the operators out).
+            recent = self._recent_failures()
+            if len(recent) >= FAILURES_PER_MINUTE:
+                self.reason = "too many failed logins"
+                self._login_page(429, "Too many failed logins in the last minute: wait and try again.")
+                return
             recent.append(time.monotonic())
             self.reason = "invalid, expired or missing token"
             self._login_page(401, "That token is not valid (wrong, revoked or expired).")

@@ -73,6 +73,7 @@ class ConsoleContext:
     capacity: Callable[[], dict]
     policies: Any = None           # egress.policy.live.LivePolicies
     access: Any = None             # cubegate.access_store.AccessStore
+    tokens: Any = None             # who may log in: the vault's tokens minus tenants' E2B keys (tenant_keys.py)
     max_streams: int = 16
     streams: int = 0
     login_failures: list = dataclasses.field(default_factory=list)   # monotonic times of recent failures
@@ -92,7 +93,11 @@ class ConsoleHandler(SessionHandler):
     # -- auth ----------------------------------------------------------------
     def session_valid(self, session) -> bool:
         now = time.time()
-        return any(t.id == session.actor and not t.expired(now) for t in self.ctx.vault.tokens.list())
+        return any(t.id == session.actor and not t.expired(now) for t in self.login_tokens.list())
+
+    @property
+    def login_tokens(self):
+        return self.ctx.tokens if self.ctx.tokens is not None else self.ctx.vault.tokens
 
     def authorize(self) -> None:
         if self.request.method not in ("GET", "HEAD") and self.session.scope != "admin":

@@ -2,8 +2,9 @@
 
 The command runs in a worker thread (SandboxManager.exec, blocking); the agent's output
 frames arrive through its on_output hook and are handed to the event loop, where the
-job's server-sent-events stream picks them up. Bounded: at most MAX_JOBS jobs, at most
-MAX_OUTPUT characters kept per job, finished jobs forgotten after KEEP_SECONDS. A job
+job's server-sent-events stream picks them up. Bounded: at most MAX_JOBS jobs (a new one
+replaces the oldest finished one), at most MAX_OUTPUT characters kept per job, finished
+jobs forgotten after KEEP_SECONDS. A job
 belongs to the session that started it; no other session can read it.
 """
 from __future__ import annotations
@@ -90,8 +91,12 @@ class ExecJobs:
     def start(self, sandbox: str, owner: str, run: Callable[[ExecJob], Any]) -> ExecJob:
         """`run(job)` is a coroutine function doing the exec; the job is finished with its result."""
         self._forget_old()
+        if len(self._jobs) >= MAX_JOBS:   # the oldest finished job makes room (its output goes)
+            finished = sorted((j for j in self._jobs.values() if j.done), key=lambda j: j.finished)
+            if finished:
+                del self._jobs[finished[0].id]
         if len(self._jobs) >= MAX_JOBS:
-            raise OverflowError(f"{MAX_JOBS} exec jobs are running or were run in the last minutes; try later")
+            raise OverflowError(f"{MAX_JOBS} exec jobs are running; try again when one has finished")
         job = ExecJob(secrets.token_urlsafe(12), sandbox, owner, asyncio.get_running_loop())
         self._jobs[job.id] = job
 

@@ -138,11 +138,11 @@ class PolicySave(PolicyPage):
     """Create or replace (an API policy of a file policy's name takes its place). GET: the page."""
     action = "console.policy.put"
 
-    def post(self, name: str) -> None:
+    async def post(self, name: str) -> None:
         f = self.form("text")
         self.audit["name"] = name
         try:
-            v = self.live.put_policy(name, f["text"], actor=self.actor)
+            v = await self.run(self.live.put_policy, name, f["text"], actor=self.actor)   # seconds at its limit
         except PolicyError as e:
             self.problems = e.pointers()
             raise ApiError(400, "invalid_policy", f"{len(self.problems)} problem(s) in the policy; nothing was "

@@ -59,7 +59,7 @@ def tls_context(cert: str, key: str) -> ssl.SSLContext:
 
 
 def build(*, settings, vault, readiness, registry, audit_index, audit_dir, runtime: Runtime | None,
-          audit_hook, policies=None, access=None, port: int | None = None) -> ConsoleService:
+          audit_hook, policies=None, access=None, port: int | None = None, tokens=None) -> ConsoleService:
     c = settings.console
     pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="console")
     manager = runtime.manager if runtime is not None else None
@@ -67,7 +67,7 @@ def build(*, settings, vault, readiness, registry, audit_index, audit_dir, runti
         vault=vault, sessions=SessionStore(idle_seconds=c.idle_timeout, max_age_seconds=c.max_session),
         readiness=readiness, ring=Ring(c.sample_seconds), audit_index=audit_index, audit_dir=audit_dir,
         runtime=runtime, pool=pool, jobs=ExecJobs(known_error_text), capacity=lambda: host_capacity(manager),
-        policies=policies, access=access)
+        policies=policies, access=access, tokens=tokens if tokens is not None else vault.tokens)
     tls = tls_context(c.tls_cert, c.tls_key) if c.tls_cert else None
     server = httpkit.serve(make_app(ctx, audit_hook), max_body=MAX_BODY, host="127.0.0.1",
                            port=c.port if port is None else port, what="the web console", ssl_options=tls)
@@ -92,7 +92,8 @@ async def start_for(daemon) -> ConsoleService | None:
                           default_limits(s.runtime))
     svc = build(settings=s, vault=daemon.vault, readiness=daemon.readiness, registry=getattr(daemon, "metrics_view", daemon.metrics.registry),
                 audit_index=daemon.audit_index, audit_dir=s.audit_dir, runtime=runtime,
-                audit_hook=daemon._admin_audit, policies=daemon.policies, access=daemon.access)
+                audit_hook=daemon._admin_audit, policies=daemon.policies, access=daemon.access,
+                tokens=getattr(daemon, "operator_tokens", None))
     log.info("console: %s://127.0.0.1:%s/", "https" if svc.tls else "http", svc.port)
     return svc
 

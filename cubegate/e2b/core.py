@@ -322,7 +322,9 @@ class E2bCore:
                  "memTotal": rec.memory_mb << 20, "memCache": 0, "diskUsed": 0, "diskTotal": rec.disk_mb << 20}]
 
     def reap_expired(self) -> list[str]:
-        paused = {r.sandbox_id for r in self.registry.all() if self.state_of(r.sandbox_id) == "paused"}
+        # kept past its end time: a sandbox the client paused (as E2B does), never one the runtime
+        # froze for idleness — that one would otherwise live (and hold its reservation) forever
+        paused = {r.sandbox_id for r in self.registry.all() if self.manager.paused_by(r.sandbox_id) == "api"}
         gone = []
         for sid in expired(self.registry.all(), time.time(), paused):
             try:

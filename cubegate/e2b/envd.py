@@ -225,12 +225,12 @@ class ProcessRpc(Rpc):
             if tag is not None and not isinstance(tag, str):
                 raise cx.ConnectError("invalid_argument", "tag must be a string")
             return self.core.start_process(sid, msg.get("process") or {}, stdin=bool(msg.get("stdin")), tag=tag)
-        await self._stream(begin, deadline)
+        await self._stream(sid, begin, deadline)
 
     async def connect(self, sid, msg, deadline):
-        await self._stream(lambda: self.core.process(sid, msg.get("process")), deadline)
+        await self._stream(sid, lambda: self.core.process(sid, msg.get("process")), deadline)
 
-    async def _stream(self, find_process, deadline) -> None:
+    async def _stream(self, sid, find_process, deadline) -> None:
         """Start event, then what the process wrote (buffered, then live), then its end."""
         loop = asyncio.get_running_loop()
         try:
@@ -251,6 +251,8 @@ class ProcessRpc(Rpc):
             queued[0] += len(data) if isinstance(data, bytes) else 0
             queue.put_nowait((kind, data))
 
+        # a client reading a command's output is a call in flight: the sandbox is not auto-paused under it
+        release = self.core.manager.hold_awake(sid)
         replay, unsubscribe = proc.subscribe(on_event)
         for kind, data in replay:
             queue.put_nowait((kind, data))
@@ -291,6 +293,7 @@ class ProcessRpc(Rpc):
             pass
         finally:
             unsubscribe()
+            release()
 
 
 class FilesystemRpc(Rpc):

@@ -60,6 +60,14 @@ class E2bService:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
+CALL_MAX_BODY = 4 << 20      # a control-plane or envd RPC body; only an upload (POST /files) may be bigger
+
+
+def body_limit(path: str) -> int:
+    """Every body but an upload is a small JSON document: it may not take e2b.max_upload_mb."""
+    return 1 << 62 if path == "/files" else CALL_MAX_BODY
+
+
 def make_app(core: E2bCore, tokens, control_lanes: Lanes, envd_lanes: Lanes, *, tenants: dict,
              default_tenant: str, domain: str | None, audit_hook=None):
     kw = {"core": core, "tokens": tokens, "lanes": control_lanes, "tenants": tenants,
@@ -95,7 +103,8 @@ async def start_for(daemon, runtime) -> E2bService | None:
     app = make_app(core, tokens, Lanes(control_pool, CONTROL_LIMITS), Lanes(envd_pool, ENVD_LIMITS),
                    tenants=dict(e.token_tenants), default_tenant=e.tenant, domain=e.domain,
                    audit_hook=daemon._admin_audit)
-    server = httpkit.serve(app, max_body=e.max_upload_mb << 20, host="127.0.0.1", port=e.port, what="the E2B API")
+    server = httpkit.serve(app, max_body=e.max_upload_mb << 20, host="127.0.0.1", port=e.port, what="the E2B API",
+                           body_limit=body_limit)
     log.info("e2b: API on 127.0.0.1:%d (tenant %s), templates %s", server.port, e.tenant, ", ".join(core.templates))
     svc = E2bService(core, server, [envd_pool, control_pool], reaper_pool)
     daemon.supervisor.start("e2b-reaper", svc.reaper())

@@ -41,6 +41,9 @@ class Refused(ValueError):
     """A change that is well-formed but not allowed (deleting a file policy, ...)."""
 
 
+MAX_POLICY_BYTES = 256 * 1024   # a policy given through the API (YAML is parsed in pure Python: ~1 s per 50 KB)
+
+
 def _source(kind: str, name: str) -> str:
     return f"api:{kind}:{name}"
 
@@ -178,6 +181,10 @@ class LivePolicies:
     # ------------------------------------------------------------------ policies
     def parse(self, name: str, text: str) -> tuple[Policy, dict]:
         """Parse one policy body (JSON or YAML) and check the set it would make; (policy, doc)."""
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > MAX_POLICY_BYTES:
+            raise PolicyError(ErrorItem(_source("policy", name), 1, "",
+                                        f"policy is {size} bytes; at most {MAX_POLICY_BYTES // 1024} KiB"))
         policy = parse_policy_document(text, _source("policy", name), name=name)
         with self._lock:
             api = {**self._api, name: policy}

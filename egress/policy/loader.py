@@ -437,13 +437,21 @@ def _yaml_error(file: str, exc: yaml.YAMLError) -> ErrorItem:
     return ErrorItem(file, line, "", msg)
 
 
+def _compose(text: str, file: str) -> yaml.Node | None:
+    """The node tree, or PolicyError: bad YAML, an alias, or nesting deeper than PyYAML's
+    recursive composer can go (a few thousand "[" would otherwise be a RecursionError)."""
+    try:
+        return yaml.compose(text, Loader=_NoAliasLoader)
+    except yaml.YAMLError as exc:
+        raise PolicyError(_yaml_error(file, exc)) from None
+    except RecursionError:
+        raise PolicyError(ErrorItem(file, 1, "", "nested too deeply (a policy is a few levels deep)")) from None
+
+
 def parse_policy_text(text: str, file: str) -> tuple[list[Policy], GlobalDenies]:
     """Parse one file's text. Raises PolicyError listing every problem found."""
     r = _Reader(file)
-    try:
-        root = yaml.compose(text, Loader=_NoAliasLoader)
-    except yaml.YAMLError as exc:
-        raise PolicyError(_yaml_error(file, exc)) from None
+    root = _compose(text, file)
     if root is None:
         raise PolicyError(ErrorItem(file, 1, "", "file is empty; expected a policy (name, rules, ...) or a global: section"))
     top = r.mapping(root, "", POLICY_KEYS + FILE_KEYS)
@@ -481,10 +489,7 @@ def parse_policy_document(text: str, source: str, *, name: str) -> Policy:
     JSON is YAML, so a JSON body gets the same checks and messages as a file.
     Raises PolicyError (fields turn into JSON pointers with PolicyError.pointers())."""
     r = _Reader(source)
-    try:
-        root = yaml.compose(text, Loader=_NoAliasLoader)
-    except yaml.YAMLError as exc:
-        raise PolicyError(_yaml_error(source, exc)) from None
+    root = _compose(text, source)
     if root is None:
         raise PolicyError(ErrorItem(source, 1, "", "body is empty; expected a policy (rules, default, ...)"))
     top = r.mapping(root, "", POLICY_KEYS)
