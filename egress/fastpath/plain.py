@@ -314,6 +314,7 @@ class PlainConn(asyncio.Protocol):
     def __init__(self, handler: PlainHttp, c) -> None:
         self.h, self.gate, self.fp, self.c = handler, handler.gate, handler.fp, c
         self.st = c.st
+        c.per_request = True             # its refusals are records among others, its close its own record
         self.transport = c.transport
         self.reader = http1.RequestReader(self.gate.max_header_bytes)
         self.eof = False
