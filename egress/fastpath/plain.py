@@ -177,6 +177,7 @@ def connection_tokens_refusal(head: http1.RequestHead) -> Refusal | None:
     return None
 
 
+@functools.lru_cache(maxsize=4096)       # pure; every request asks it
 def _is_agent(host: str) -> bool:
     try:
         return normalize_host(host) == AGENT_HOST
@@ -528,7 +529,7 @@ class PlainConn(asyncio.Protocol):
             plan = self._plan_body(head)
             if isinstance(plan, Refusal):
                 refusal, plan = plan, None
-        gate.metrics.decision_latency.labels("request").observe(time.perf_counter() - t0)
+        self.fp._latency("request").observe(time.perf_counter() - t0)
         if refusal is not None:
             self._deny(refusal, decision, method=head.method, path=path_s)
             return False
@@ -635,8 +636,7 @@ class PlainConn(asyncio.Protocol):
         finally:
             self._disarm_idle()
         self.response = None
-        m = self.gate.metrics
-        m.request_latency.labels(st.sandbox).observe(time.perf_counter() - t0)
+        self.fp._request_latency(st.sandbox).observe(time.perf_counter() - t0)
         if not keep:
             self._release_upstream()
         return head.keep_alive and not self.lost and self.resp_framing != "close" and not self.revoked

@@ -64,6 +64,7 @@ class FastPath:
         self.decisions = DecisionCache()
         self._decision_count = LabelCache(m.decisions)
         self._latency = LabelCache(m.decision_latency)
+        self._request_latency = LabelCache(m.request_latency)
         self._bytes = LabelCache(m.bytes)
         self._duration = LabelCache(m.connection_duration)
         self.plain = None                          # plain HTTP decided and relayed here (proxy.fast_plain_http)
