@@ -14,7 +14,9 @@ decides each request and hands over only what it does not implement (proxy.fast_
 off: plain HTTP is handed over too).
 
 Audit: the records of a connection this path finishes are the gate's records (egress.records):
-a decision before the outcome (refused if it cannot be written), connection_closed at the end.
+a decision before the outcome (refused if it cannot be written), connection_closed at the end —
+except for a connection refused at its first decision, whose one decision record carries the
+closed fields too (extra.closed; README, Audit): nothing is read or relayed after a refusal.
 Fail closed: an exception refuses the connection (reset) and audits it, never relays it.
 """
 from __future__ import annotations
