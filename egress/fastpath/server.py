@@ -457,14 +457,28 @@ class FastPath:
         relay.start(first)
 
 
-def _cork(transport) -> None:
-    """TCP_CORK: what is written next waits for the close, which sends it with the FIN (Linux
-    tacks the FIN onto an unsent segment): one packet for the peer's kernel and ours, not two."""
+def _cork(transport) -> bool:
+    """TCP_CORK: what is written next waits for our FIN, which Linux tacks onto the unsent
+    segment: one packet for the peer's kernel and ours, not two. False: not corked."""
     sock = transport.get_extra_info("socket")
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)
+        return True
     except (AttributeError, OSError):
-        pass                             # not TCP (a test's socketpair): sent as written
+        return False                     # not TCP (a test's socketpair): sent as written
+
+
+def _send_fin(transport) -> None:
+    """shutdown(SHUT_WR) of the transport's socket (uvloop's transport socket has no shutdown):
+    the corked page goes out with the FIN at once."""
+    sock = transport.get_extra_info("socket")
+    s = socket.socket(sock.family, sock.type, sock.proto, sock.fileno())
+    try:
+        s.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass                             # the peer is gone already: the abort follows
+    finally:
+        s.detach()                       # the transport owns the descriptor
 
 
 def _conn_id() -> str:
@@ -564,12 +578,16 @@ class _Conn(asyncio.Protocol):
         t = self.transport
         if t is None or t.is_closing():
             return
+        corked = bool(response) and _cork(t)   # the page and the FIN leave in one segment, not two
         if response:
-            _cork(t)                     # the page and the FIN leave in one segment, not two
             t.write(response)
         if t.get_write_buffer_size():
             t.close()
         else:
+            if corked:
+                # FIN now, not at the close: bytes the sandbox sent meanwhile would make the close
+                # a reset, which drops a page still corked
+                _send_fin(t)
             t.abort()
 
     def revoke(self, reason: str) -> None:
