@@ -365,7 +365,8 @@ def markdown(rows: list[Row], meta: dict, args) -> str:
               f"CPU from /proc in 10 ms ticks; p50/p99 from hey -o csv (0.1 ms resolution). "
               f"Tunnels per client conn (keep-alive rows): connections the client opened through the proxy "
               f"per hey connection (c), from the proxy's own log (squid: access.log CONNECT lines; cubegate: "
-              f"connection_closed records of connections that sent a CONNECT), so dials the client cancels "
+              f"connection_closed records and closing decision records (extra.closed) of connections that "
+              f"sent a CONNECT), so dials the client cancels "
               f"count too; upstream conns/req is what reached nginx."]
     if not meta["gateway_knows_workers"]:
         lines.append("cubegate has no proxy.workers setting yet: workers=1 is its one process, "

@@ -277,13 +277,15 @@ class Cubegate(Proxy):
 
     def client_connections(self) -> int | None:
         """Client connections that sent something (a CONNECT at least), from the audit log's
-        connection_closed records (one per client connection); `last_counts` also has all of them
-        and the tunnels relayed (kind passthrough)."""
+        connection_closed records and the decision records that closed their connection
+        (extra.closed: a refusal at the first decision; one of the two per client connection);
+        `last_counts` also has all of them and the tunnels relayed (kind passthrough)."""
         counts = {"all": 0, "sent": 0, "tunnels": 0}
         for f in sorted(self.gw.audit_dir.glob("*.jsonl")):
             with open(f, "rb") as fh:
                 for line in fh:
-                    if b'"event":"connection_closed"' not in line:
+                    if b'"event":"connection_closed"' not in line and not (
+                            b'"event":"decision"' in line and b'"closed":true' in line):
                         continue
                     counts["all"] += 1
                     counts["sent"] += b'"bytes_out":0,' not in line

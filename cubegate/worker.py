@@ -239,6 +239,8 @@ def _loop_factory():
 
 def main(argv: list[str]) -> int:
     _die_with_the_daemon()
+    from egress.metrics import values_with_cached_pid
+    values_with_cached_pid()             # before any metric of this process exists
     slot, link_fd, explicit, transparent = int(argv[0]), int(argv[1]), argv[2], argv[3]
     logging.basicConfig(level=int(os.environ.get("CUBEGATE_WORKER_LOG_LEVEL", logging.INFO)), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s[w{slot}]: %(message)s")

@@ -11,7 +11,30 @@ from __future__ import annotations
 
 import os
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
+
+_pid = os.getpid()
+
+
+def _refresh_pid() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_refresh_pid)
+
+
+def _cached_pid() -> int:
+    return _pid
+
+
+def values_with_cached_pid() -> None:
+    """A worker's metric values (multiprocess mode) without a getpid() syscall per update:
+    prometheus-client asks for the pid on every inc/observe to notice a fork; here it reads a copy
+    that a fork refreshes in the child. Call before the process makes its first metric (two value
+    classes would map the same per-process file twice)."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        values.ValueClass = values.MultiProcessValue(process_identifier=_cached_pid)
 
 
 class GatewayMetrics:

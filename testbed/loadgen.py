@@ -11,7 +11,7 @@ Every connection binds its own loopback source address (127.a.b.c, unique
 per run and `ip_base`), so the gateway's audit field `client` names the
 connection; every request that the gateway can see (intercepted or plain
 HTTP) carries a unique path /soak/<run>/<n>. That gives exact accounting:
-  denied CONNECT   1 decision(deny)  + 1 connection_closed
+  denied CONNECT   1 decision(deny)  + 1 connection_closed (the fast path: 1 decision with extra.closed)
   passthrough      1 decision(allow) + 1 connection_closed (inner requests opaque)
   intercept/inject 1 decision(allow) + 1 request per path + 1 connection_closed
   plain HTTP       1 request per path + 1 connection_closed

@@ -8,7 +8,7 @@ unset: the file is self-describing and `jq` filters never miss a key.
 from __future__ import annotations
 
 import json
-import os
+import random
 import re
 import time
 from datetime import datetime, timezone
@@ -125,13 +125,16 @@ def _clip(value: Any) -> Any:
     return value
 
 
+_getrandbits = random.getrandbits
 _UUID4_BITS = (4 << 76) | (2 << 62)          # version 4, RFC 4122 variant
 _UUID4_MASK = ~((0xF << 76) | (0x3 << 62))
 
 
 def new_id() -> str:
-    """uuid.uuid4().hex, without building a UUID object: 122 random bits, 32 lowercase hex digits."""
-    return f"{int.from_bytes(os.urandom(16)) & _UUID4_MASK | _UUID4_BITS:032x}"
+    """uuid.uuid4().hex, without building a UUID object: 122 random bits, 32 lowercase hex digits.
+    An id names a record (unique, not secret): the random module's generator (seeded from
+    os.urandom in each process, reseeded in a forked child), not a getrandom() syscall per id."""
+    return f"{_getrandbits(128) & _UUID4_MASK | _UUID4_BITS:032x}"
 
 
 def make_record(event: str, **fields: Any) -> dict[str, Any]:

@@ -6,9 +6,11 @@ what it does not accept goes to mitmproxy); the ClientHello with mitmproxy's own
 """
 from __future__ import annotations
 
+import functools
 import re
 import socket
 from dataclasses import dataclass
+from http import HTTPStatus
 
 from egress import mitm_internals, records
 
@@ -124,10 +126,20 @@ def _looks_like_http(data: bytes) -> bool:
 def refusal_response(status: int, reason: str, detail: str, extra_headers: dict[str, str] | None = None, *,
                      st=None, decision=None) -> bytes:
     """The gate's refusal page (egress.records: JSON body, X-Cubegate-Reason) as HTTP/1.1 bytes."""
-    from http import HTTPStatus
+    return _refusal_bytes(status, reason, detail, tuple((extra_headers or {}).items()),
+                          st.host if st is not None else None, st.port if st is not None else None,
+                          st is not None, decision.rule if decision is not None else None,
+                          decision.policy if decision is not None else None, decision is not None)
+
+
+@functools.lru_cache(maxsize=1024)      # a refusal repeats: the same page for the same sandbox's retries
+def _refusal_bytes(status: int, reason: str, detail: str, extra_headers: tuple, host, port, has_st: bool,
+                   rule, policy, has_decision: bool) -> bytes:
+    st = _Where(host, port) if has_st else None
+    decision = _Rule(rule, policy) if has_decision else None
     body = records.deny_body(status, reason, detail, st=st, decision=decision)
     headers = dict(records.deny_headers(reason))
-    headers.update(extra_headers or {})
+    headers.update(extra_headers)
     headers["content-length"] = str(len(body))
     try:
         phrase = HTTPStatus(status).phrase
@@ -135,3 +147,15 @@ def refusal_response(status: int, reason: str, detail: str, extra_headers: dict[
         phrase = "Error"
     lines = [f"HTTP/1.1 {status} {phrase}"] + [f"{k}: {v}" for k, v in headers.items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace") + body
+
+
+@dataclass(frozen=True)
+class _Where:            # what deny_body reads of a ConnState
+    host: str | None
+    port: int | None
+
+
+@dataclass(frozen=True)
+class _Rule:             # what deny_body reads of a Decision
+    rule: str | None
+    policy: str | None

@@ -177,6 +177,7 @@ def connection_tokens_refusal(head: http1.RequestHead) -> Refusal | None:
     return None
 
 
+@functools.lru_cache(maxsize=4096)       # pure; every request asks it
 def _is_agent(host: str) -> bool:
     try:
         return normalize_host(host) == AGENT_HOST
@@ -314,6 +315,7 @@ class PlainConn(asyncio.Protocol):
     def __init__(self, handler: PlainHttp, c) -> None:
         self.h, self.gate, self.fp, self.c = handler, handler.gate, handler.fp, c
         self.st = c.st
+        c.per_request = True             # its refusals are records among others, its close its own record
         self.transport = c.transport
         self.reader = http1.RequestReader(self.gate.max_header_bytes)
         self.eof = False
@@ -531,7 +533,7 @@ class PlainConn(asyncio.Protocol):
             plan = self._plan_body(head)
             if isinstance(plan, Refusal):
                 refusal, plan = plan, None
-        gate.metrics.decision_latency.labels("request").observe(time.perf_counter() - t0)
+        self.fp._latency("request").observe(time.perf_counter() - t0)
         if refusal is not None:
             self._deny(refusal, decision, method=head.method, path=path_s)
             return False
@@ -638,8 +640,7 @@ class PlainConn(asyncio.Protocol):
         finally:
             self._disarm_idle()
         self.response = None
-        m = self.gate.metrics
-        m.request_latency.labels(st.sandbox).observe(time.perf_counter() - t0)
+        self.fp._request_latency(st.sandbox).observe(time.perf_counter() - t0)
         if not keep:
             self._release_upstream()
         return head.keep_alive and not self.lost and self.resp_framing != "close" and not self.revoked

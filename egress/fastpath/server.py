@@ -14,17 +14,20 @@ decides each request and hands over only what it does not implement (proxy.fast_
 off: plain HTTP is handed over too).
 
 Audit: the records of a connection this path finishes are the gate's records (egress.records):
-a decision before the outcome (refused if it cannot be written), connection_closed at the end.
+a decision before the outcome (refused if it cannot be written), connection_closed at the end —
+except for a connection refused at its first decision, whose one decision record carries the
+closed fields too (extra.closed; README, Audit): nothing is read or relayed after a refusal.
 Fail closed: an exception refuses the connection (reset) and audits it, never relays it.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
-import uuid
 
 from egress import hook_guard, mitm_internals, netguard, records
+from egress.audit.record import new_id
 from egress.conn_state import ConnState
 from egress.destination import DecisionCache, decide_destination, needs_interception
 from egress.fastpath import heads
@@ -63,6 +66,7 @@ class FastPath:
         self.decisions = DecisionCache()
         self._decision_count = LabelCache(m.decisions)
         self._latency = LabelCache(m.decision_latency)
+        self._request_latency = LabelCache(m.request_latency)
         self._bytes = LabelCache(m.bytes)
         self._duration = LabelCache(m.connection_duration)
         self.plain = None                          # plain HTTP decided and relayed here (proxy.fast_plain_http)
@@ -132,10 +136,25 @@ class FastPath:
         """The deny sequence: state, audit record, metric, then a response (explicit) or a reset."""
         st = c.st
         st.kind, st.denied_reason = "denied", reason
-        self._audit("decision", st, decision="deny", reason=reason, status=status, **fields)
+        fields.update(decision="deny", reason=reason, status=status)
+        if c.finished_deciding or c.per_request:   # records were written: connection_closed follows
+            self._audit("decision", st, **fields)
+        else:
+            self._audit_refused_connection(c, fields)
         self._count(st, "deny", reason, stage)
         self.outcomes("refused").inc()
         c.finish(response)
+
+    def _audit_refused_connection(self, c: "_Conn", fields: dict) -> None:
+        """A connection refused at its first decision gets one record: the decision, carrying what its
+        connection_closed record would (no byte goes either way after it: the refusal closes the
+        connection; bytes_in is 0, bytes_out what was read, the duration up to now) and
+        extra.closed = true. Only when it is written does _forget skip the connection_closed record."""
+        st = c.st
+        closed = records.closed_fields(st, time.monotonic() - st.started)
+        closed["extra"].update(fields.pop("extra", None) or {}, closed=True)
+        del closed["decision"], closed["reason"]          # the refusal's own, in `fields`
+        c.closed_audited = self._audit("decision", st, **closed, **fields)
 
     def internal_error(self, c: "_Conn", e: Exception) -> None:
         """Fail closed on our own bug (here or in plain.py): audited and counted as internal_error,
@@ -215,7 +234,8 @@ class FastPath:
         if st.bytes_in:
             self._bytes(st.sandbox, "in").inc(st.bytes_in)
         self._duration(st.kind).observe(duration)
-        self._audit("connection_closed", st, **records.closed_fields(st, duration))
+        if not c.closed_audited:         # else its refusal's decision record was the closed record too
+            self._audit("connection_closed", st, **records.closed_fields(st, duration))
 
     async def _head(self, c: "_Conn", enough) -> bool:
         """Wait until `enough(buf)` or EOF; False (handled: timeout recorded, or the peer left)."""
@@ -268,12 +288,10 @@ class FastPath:
             refusal = records.policy_refusal(decision)
         if refusal is not None:
             fields = records.decision_fields(decision) if decision else {}
-            fields.update(decision="deny", reason=refusal.reason, status=refusal.status)
-            st.kind, st.denied_reason = "denied", refusal.reason
-            self._audit("decision", st, method="CONNECT", **fields)
-            self._count(st, "deny", refusal.reason, "connect")
-            self.outcomes("refused").inc()
-            c.finish(heads.refusal_response(refusal.status, refusal.reason, refusal.detail, st=st, decision=decision))
+            fields.pop("decision", None), fields.pop("reason", None)   # the refusal's (a guard refusal of an allow)
+            self._refuse(c, refusal.reason, stage="connect", status=refusal.status, method="CONNECT",
+                         response=heads.refusal_response(refusal.status, refusal.reason, refusal.detail, st=st,
+                                                         decision=decision), **fields)
             return
         if st.port not in TLS_PORTS or needs_interception(decision, gate.credentials, st.host, st.port):
             self._hand_over(c)           # the CONNECT is replayed: the gate re-decides, claims and audits it
@@ -439,6 +457,36 @@ class FastPath:
         relay.start(first)
 
 
+def _cork(transport) -> bool:
+    """TCP_CORK: what is written next waits for our FIN, which Linux tacks onto the unsent
+    segment: one packet for the peer's kernel and ours, not two. False: not corked."""
+    sock = transport.get_extra_info("socket")
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)
+        return True
+    except (AttributeError, OSError):
+        return False                     # not TCP (a test's socketpair): sent as written
+
+
+def _send_fin(transport) -> None:
+    """shutdown(SHUT_WR) of the transport's socket (uvloop's transport socket has no shutdown):
+    the corked page goes out with the FIN at once."""
+    sock = transport.get_extra_info("socket")
+    s = socket.socket(sock.family, sock.type, sock.proto, sock.fileno())
+    try:
+        s.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass                             # the peer is gone already: the abort follows
+    finally:
+        s.detach()                       # the transport owns the descriptor
+
+
+def _conn_id() -> str:
+    """str(uuid.uuid4()), without the UUID object (new_id: the same 122 random bits)."""
+    h = new_id()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
 class _Conn(asyncio.Protocol):
     """A connection's first bytes, collected (bounded) until the fast path has what it needs."""
 
@@ -449,6 +497,8 @@ class _Conn(asyncio.Protocol):
         self.eof = self.lost = self.timed_out = False
         self.handed = False
         self.finished_deciding = False
+        self.closed_audited = False      # a refusal's one record stands for connection_closed too
+        self.per_request = False         # plain HTTP (plain.py) took it: records per request, then closed
         self.relay: Relay | None = None
         self.timer = None
         self._waiter: asyncio.Future | None = None
@@ -460,7 +510,7 @@ class _Conn(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.peer = transport.get_extra_info("peername") or ("?", 0)
-        self.st = ConnState(conn_id=str(uuid.uuid4()), client=f"{self.peer[0]}:{self.peer[1]}",
+        self.st = ConnState(conn_id=_conn_id(), client=f"{self.peer[0]}:{self.peer[1]}",
                             started=time.monotonic(), transparent=self.transparent)
         self.fp.conns.add(self)
         self.fp.gate.metrics.active_connections.inc()
@@ -528,11 +578,16 @@ class _Conn(asyncio.Protocol):
         t = self.transport
         if t is None or t.is_closing():
             return
+        corked = bool(response) and _cork(t)   # the page and the FIN leave in one segment, not two
         if response:
             t.write(response)
         if t.get_write_buffer_size():
             t.close()
         else:
+            if corked:
+                # FIN now, not at the close: bytes the sandbox sent meanwhile would make the close
+                # a reset, which drops a page still corked
+                _send_fin(t)
             t.abort()
 
     def revoke(self, reason: str) -> None:

@@ -143,10 +143,13 @@ def test_deny_at_connect_is_answered_by_the_fast_path_not_mitmproxy(fgw, lab):
     assert after.get("refused", 0) == before.get("refused", 0) + 1
     assert after.get("handed_over", 0) == before.get("handed_over", 0)    # mitmproxy never saw it
     rec = fgw.wait_record(lambda r: r["event"] == "decision" and r.get("host") == "denied.test")
-    closed = _closed_record(fgw, conn_id=rec["conn_id"])
-    assert closed["decision"] == "deny" and closed["extra"]["kind"] == "denied"
-    assert [r["event"] for r in fgw.audit_records() if r.get("conn_id") == rec["conn_id"]] == \
-        ["decision", "connection_closed"]
+    # one record for a connection refused at its first decision: the decision carries the close
+    assert rec["decision"] == "deny" and rec["reason"] in ("default_deny", "rule_deny") and rec["status"] == 403
+    assert rec["extra"] == {"kind": "denied", "requests": 0, "closed": True}, rec
+    assert rec["bytes_in"] == 0 and rec["bytes_out"] > len("CONNECT denied.test:443 HTTP/1.1\r\n\r\n")
+    assert rec["duration_ms"] >= 0 and rec["method"] == "CONNECT"
+    time.sleep(0.3)                      # a connection_closed record would be written by now
+    assert [r["event"] for r in fgw.audit_records() if r.get("conn_id") == rec["conn_id"]] == ["decision"]
 
 
 def test_missing_credentials_get_407_from_the_fast_path(fgw, lab):

@@ -494,7 +494,10 @@ def test_fast_path_connect_whose_identity_lookup_fails_is_reset_and_audited(part
     out = run(parts, scenario)
     assert out == b""                                   # reset: no 200, no tunnel
     recs = _fast_failures(parts)
-    assert len(recs) == 1 and recs[0]["extra"] == {"error": "ProgrammingError"}
+    # refused at its first decision: one record, which also closes the connection (README, Audit)
+    assert len(recs) == 1 and recs[0]["extra"] == {"error": "ProgrammingError", "kind": "denied", "requests": 0,
+                                                   "closed": True}
+    assert not [r for r in parts.records() if r["event"] == "connection_closed" and r["conn_id"] == recs[0]["conn_id"]]
     assert parts.counted("deny", "internal_error", "internal", sandbox="-") == 1
     assert "fast path: refusing connection" in caplog.text and "closed database" not in caplog.text
 

@@ -6,7 +6,9 @@ gateway can see has a unique path /soak/<run>/<n> (audit keeps the path, never
 the query). Expected records per connection:
 
   kind          decision (CONNECT)   request                 connection_closed
-  denied        1, deny, status 403  0                       1 (kind denied)
+  denied        1, deny, status 403  0                       1 (kind denied), or none when the
+                                                             decision has extra.closed (the fast
+                                                             path's one record of a refusal)
   passthrough   1, allow             0 (inner requests opaque) 1 (kind passthrough)
   intercept     1, allow             1 per path sent          1 (kind intercept)
   inject        1, allow             1 per path, names secret 1 (kind intercept)
@@ -102,8 +104,8 @@ def check(conns: list[dict], records: list[dict], *, inject_secret_id: str | Non
             if r.get("decision") != "allow":
                 problems.append(f"{where}: request {r.get('path')} {r.get('decision')}/{r.get('reason')}")
                 break
-        # connection_closed
-        closed = ev["connection_closed"]
+        # connection_closed (or the decision record that closed the connection: README, Audit)
+        closed = ev["connection_closed"] + [r for r in dec if (r.get("extra") or {}).get("closed")]
         accepted = clean or c.get("connect_status") is not None or bool(c["acked"])
         if accepted and len(closed) != 1:
             problems.append(f"{where}: {len(closed)} connection_closed records, want 1")
@@ -113,7 +115,8 @@ def check(conns: list[dict], records: list[dict], *, inject_secret_id: str | Non
             k = (r.get("extra") or {}).get("kind")
             if k != CLOSED_KIND[kind] and not (not clean and k == "pending"):
                 problems.append(f"{where}: connection_closed kind {k}, want {CLOSED_KIND[kind]}")
-        n_expected += want_dec + len(sent if clean else acked) + (1 if accepted else 0)
+        closes_in_decision = any((r.get("extra") or {}).get("closed") for r in dec)
+        n_expected += want_dec + len(sent if clean else acked) + (1 if accepted and not closes_in_decision else 0)
         n_found += len(recs)
     dup = [p for p, n in path_seen.items() if n > 1]
     if dup:
