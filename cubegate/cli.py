@@ -37,6 +37,8 @@ def run(ctx: click.Context, log_level: str) -> None:
     settings = _settings(ctx)
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from egress import log_redact
+    log_redact.install()   # the daemon's libraries (tornado, sqlite, ...) log no values either
     try:
         rc = asyncio.run(Daemon(settings).run())
     except PolicyError as e:

@@ -21,6 +21,7 @@ import socket
 import sys
 
 from cubegate.workerlink import STATE_SECONDS, Link
+from egress.log_redact import where
 
 log = logging.getLogger("cubegate.worker")
 
@@ -191,8 +192,8 @@ class Worker:
     def _refresh(self) -> None:
         try:
             self.policies.refresh(settle=True)
-        except Exception:   # keep the old policy in force; the next poll tries again
-            log.exception("worker %d: policy refresh failed", self.slot)
+        except Exception as e:   # keep the old policy in force; the next poll tries again
+            log.error("worker %d: policy refresh failed: %s at %s", self.slot, type(e).__name__, where(e))
 
     def _reload(self) -> None:
         """SIGHUP: the files now (an invalid one keeps the old set), then the store."""
@@ -207,8 +208,9 @@ class Worker:
             self._refresh()
             try:
                 self.dataplane.check_labels()   # relabelled sandboxes: their connections re-decided
-            except Exception:   # noqa: BLE001 - keep watching; the next look compares again
-                log.exception("label watch iteration failed")
+            except Exception as e:   # noqa: BLE001 - keep watching; the next look compares again
+                # by type and frames only: a store's error text can quote what it read
+                log.error("worker %d: label watch failed: %s at %s", self.slot, type(e).__name__, where(e))
 
 
 def _fds(arg: str) -> list[socket.socket]:

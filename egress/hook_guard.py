@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 
 from mitmproxy import exceptions, hooks
+
+from egress.log_redact import where  # noqa: F401 - file:line frames of an exception, no message
 
 _PASS_THROUGH = (exceptions.AddonHalt, exceptions.OptionsError)   # mitmproxy's control flow, not bugs
 
@@ -60,15 +61,3 @@ def guarded(obj) -> bool:
     """Every hook `obj` implements fails closed (build_master checks it for the gate)."""
     cls = obj if isinstance(obj, type) else type(obj)
     return all(getattr(getattr(cls, n), "_cubegate_fail_closed", False) for n in hook_names(cls))
-
-
-def where(exc: BaseException, limit: int = 6) -> str:
-    """Where an exception was raised, as file:line in function frames: no message, no values
-    (an exception's text can quote a header, a body, a secret)."""
-    frames = []
-    tb = exc.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        frames.append(f"{os.path.basename(code.co_filename)}:{tb.tb_lineno} {code.co_name}")
-        tb = tb.tb_next
-    return " < ".join(reversed(frames[-limit:]))

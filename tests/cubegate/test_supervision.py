@@ -39,7 +39,9 @@ def test_dead_task_turns_readyz_503_naming_it(tmp_path, caplog):
     # every other check still passes: the 503 is the dead task's
     assert all(c["ok"] for name, c in body["checks"].items() if name != "tasks"), body
     died = [r for r in caplog.records if "sandbox-dns" in r.getMessage()]
-    assert died and died[0].exc_info is not None and died[0].exc_info[0] is ConnectionError
+    # the exception named (as a traceback, or as "[ConnectionError at file:line ...]" once the
+    # daemon's log redactor is installed in this process: an exception's text is never logged)
+    assert died and "ConnectionError" in caplog.text
 
 
 def test_task_dying_at_startup_stops_the_daemon_with_its_traceback(tmp_path, caplog):
@@ -52,7 +54,7 @@ def test_task_dying_at_startup_stops_the_daemon_with_its_traceback(tmp_path, cap
     rc = asyncio.run(asyncio.wait_for(d.run(), 30))
     assert rc == 1
     died = [r for r in caplog.records if "policy-watch" in r.getMessage()]
-    assert died and died[0].exc_info is not None and died[0].exc_info[0] is TypeError
+    assert died and "TypeError" in caplog.text    # the exception named (a traceback, or its type + frames)
     assert "_policy_watch" in caplog.text   # the traceback names the function that died
     assert d.supervisor.dead.keys() >= {"policy-watch"}
     with socket.socket() as probe:          # stopped in order: the proxy port is free again

@@ -72,3 +72,41 @@ def test_an_exceptions_unquoted_text_never_reaches_the_line():
 def test_a_logged_object_is_named_by_its_type_only():
     out = _capture("tornado.general", lambda lg: lg.error(ValueError(f"header Bearer {KEY}")))
     assert KEY not in out and "ValueError" in out
+
+
+def test_our_own_exceptions_keep_the_message_but_not_the_exception_text():
+    """Our loggers keep their arguments; an exception they log (log.exception) is named by its
+    type and file:line frames: its text can quote whatever the code was reading (a store row)."""
+    def emit(lg):
+        try:
+            raise RuntimeError(f"no such row: {KEY}")
+        except RuntimeError:
+            lg.exception("worker %d: label watch failed", 3)
+    out = _capture("cubegate.worker", emit)
+    assert KEY not in out and "sk-live" not in out and "Traceback" not in out
+    assert "worker 3: label watch failed [RuntimeError at test_log_redact.py:" in out, out
+
+
+def test_the_daemon_process_installs_the_redactor(tmp_path):
+    """`cubegate run` (the daemon: tornado APIs, vault, policy store) filters its libraries' lines too."""
+    import subprocess, sys
+    code = ("import logging, sys\n"
+            "from click.testing import CliRunner\n"
+            "import cubegate.daemon as d\n"
+            "async def run(self):\n"
+            "    logging.getLogger('tornado.application').error('Uncaught %s', 'Bearer " + KEY + "')\n"
+            "    try:\n"
+            "        raise ValueError('" + KEY + "')\n"
+            "    except ValueError:\n"
+            "        logging.getLogger('cubegate.daemon').exception('failed')\n"
+            "    return 0\n"
+            "d.Daemon.run = run\n"
+            "from cubegate.cli import main\n"
+            "sys.argv = ['cubegate', '-c', sys.argv[1], 'run']\n"
+            "main()\n")
+    settings = tmp_path / "settings.yaml"
+    settings.write_text(f"state_dir: {tmp_path}/state\npolicy_dir: {tmp_path}/policies\n")
+    (tmp_path / "policies").mkdir()
+    p = subprocess.run([sys.executable, "-c", code, str(settings)], capture_output=True, text=True, timeout=60)
+    assert "Uncaught" in p.stderr and "failed [ValueError at" in p.stderr, (p.returncode, p.stderr[-2000:])
+    assert KEY not in p.stderr and "sk-live" not in p.stderr
