@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,21 +21,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.ports import free_ports
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = ["pyproject.toml", "README.md", "httpkit", "egress", "vault", "cubevs", "sandbox_runtime", "cubegate", "testbed"]
-
-
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _run(argv, **kw):
@@ -72,10 +62,11 @@ def test_plain_pip_install_runs_the_daemon(tmp_path):
     state = tmp_path / "state"
     _run([bin_ / "cubegate", "init", "--state-dir", str(state)], **run)
     cfg = state / "settings.yaml"
-    proxy, ops, vault_api, dns = _free_ports(4)
+    proxy, ops, vault_api, dns, policy_api = free_ports(5)   # every listener: no default port (9093…) in the root namespace
     doc = yaml.safe_load(cfg.read_text())
     doc.update(proxy={"listen_host": "127.0.0.1", "explicit_port": proxy},
                ops={"listen_host": "127.0.0.1", "port": ops}, vault={"api_port": vault_api},
+               policy_api={"port": policy_api},
                audit={"fsync": "interval"}, dns={"listen_host": "127.0.0.1", "port": dns})
     cfg.write_text(yaml.safe_dump(doc))
     _run([bin_ / "cubegate", "-c", str(cfg), "identity", "add", "agent-1"], **run)
