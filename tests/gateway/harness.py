@@ -22,7 +22,8 @@ def audit_records_in(audit_dir: Path) -> list[dict]:
     """Every record of a daemon's audit log (rotated segments first), as written."""
     out = []
     for f in sorted(audit_dir.glob("*.jsonl")):
-        out += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        lines = f.read_text().split("\n")[:-1]      # complete lines: one being appended right now waits
+        out += [json.loads(line) for line in lines if line.strip()]
     return out
 
 
