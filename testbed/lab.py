@@ -295,8 +295,21 @@ class Lab:
         return self.run_gw([*argv, *args], lab_dns=lab_dns, timeout=timeout + 5)
 
     def logs(self, label: str) -> str:
-        """Captured stdout of a lab process: "dns" or "upstream" (one line per request)."""
+        """Captured stdout of a lab process: "dns" or "upstream" (one line per request).
+
+        A thread drains the pipe: a line printed a moment ago may not be here yet. To check
+        that something was logged, use ``wait_logs``.
+        """
         return self.procs[label].output()
+
+    def wait_logs(self, label: str, pred: Callable[[str], object], timeout: float = 5.0) -> str:
+        """``logs(label)`` once ``pred`` accepts it (polled up to ``timeout`` s); AssertionError otherwise."""
+        deadline = time.monotonic() + timeout
+        while not pred(out := self.logs(label)):
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"the {label} log never matched in {timeout} s; its tail:\n{out[-2000:]}")
+            time.sleep(0.02)
+        return out
 
 
 def _cli(argv: list[str] | None = None) -> int:

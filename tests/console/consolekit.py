@@ -57,9 +57,16 @@ class ConsoleDaemon:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 30.0) -> "ConsoleDaemon":
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "cubegate.cli", "-c", str(self.settings_path), "run"],
-                                     cwd=REPO, stdout=log, stderr=log)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "cubegate.cli", "-c", str(self.settings_path), "run"],
+                                         cwd=REPO, stdout=log, stderr=log)
+        try:
+            return self._wait_console(timeout)
+        except BaseException:
+            self.stop()              # in the root namespace nothing else would ever stop it
+            raise
+
+    def _wait_console(self, timeout: float) -> "ConsoleDaemon":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

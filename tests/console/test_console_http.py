@@ -14,6 +14,7 @@ import pytest
 
 from httpkit import STRICT_CSP
 from tests.console.consolekit import Browserish, ConsoleDaemon
+from tests.waiting import wait_for
 
 SECRET = "sk-console-http-7f3e9a1c5b2d4e6f"
 ROTATED = "sk-console-rotated-0a9b8c7d6e5f4321"
@@ -211,9 +212,12 @@ def test_audit_filters_export_and_escaping(daemon):
     assert r.status_code == 400 and "bad time" in r.text and 'id="audit-filters"' in r.text
     r = b.get("/audit", params={"sandbox": "<script>alert(1)</script>"})
     assert r.status_code == 200 and "<script>alert(1)" not in r.text and "&lt;script&gt;alert(1)" in r.text
-    time.sleep(1.2)   # the index syncs every second
-    r = b.get("/audit", params={"reason": "console.login", "since": "1h"})
-    assert r.status_code == 200 and "console.login" in r.text
+
+    def login_listed():   # the daemon's index syncs every second (more under load): poll, don't sleep
+        r = b.get("/audit", params={"reason": "console.login", "since": "1h"})
+        return r.status_code == 200 and "console.login" in r.text
+
+    wait_for(login_listed, 15, "the login in the console's audit page")
     r = b.get("/audit/export", params={"decision": "allow"})
     assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson"
     assert "attachment" in r.headers["content-disposition"]

@@ -2,25 +2,16 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import httpx
 
 from cubegate.daemon import Daemon
 from cubegate.settings import load_settings
+from tests.ports import free_ports
+
+__all__ = ["POLICY", "free_ports", "daemon_settings", "readyz", "run_daemon"]
 
 POLICY = "name: t\ndefault: deny\nrules:\n  - name: a\n    action: allow\n    match: {hosts: [a.test]}\n"
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def daemon_settings(tmp_path, **update):

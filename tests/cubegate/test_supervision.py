@@ -6,6 +6,8 @@ import asyncio
 import logging
 import socket
 
+import pytest
+
 from cubegate.daemon import Daemon
 
 from tests.cubegate.daemon_util import daemon_settings, free_ports, readyz, run_daemon
@@ -44,6 +46,7 @@ def test_dead_task_turns_readyz_503_naming_it(tmp_path, caplog):
     assert died and "ConnectionError" in caplog.text
 
 
+@pytest.mark.filterwarnings("ignore:Pydantic serializer warnings:UserWarning")   # the bad value is the point
 def test_task_dying_at_startup_stops_the_daemon_with_its_traceback(tmp_path, caplog):
     """Issue #12's case: a policy_poll_seconds that is not a number killed policy-watch on its
     first sleep and hot reload stopped without a word. Settings refuse it now (test_settings.py);

@@ -108,7 +108,7 @@ def test_audit_disk_full_refuses_flows_with_a_reason_and_recovers(full_gw, lab):
         refused += 1
     assert f"/fill-{tag}-{len(passed)} " not in lab.logs("upstream")
     if passed:                                              # (the check above can see paths)
-        assert f"{passed[-1]} " in lab.logs("upstream")
+        lab.wait_logs("upstream", lambda out: f"{passed[-1]} " in out)
     assert f"full-{tag}" not in lab.logs("upstream") and f"full-tls-{tag}" not in lab.logs("upstream")
     code, body = gw.ops_status("/readyz")
     assert code == 503, body

@@ -13,14 +13,17 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 CUBEGATE = [sys.executable, "-m", "cubegate.cli"]
-_ports = itertools.count(18080, 10)
+# 10 ports a gateway from 19000 up: clear of the fixed ports the daemon tests use in the lab namespace
+# (18067-18385, test_init's 18700 + 10 n) and of the ephemeral range (32768-): a leftover never collides.
+_ports = itertools.count(19000, 10)
 
 
 def audit_records_in(audit_dir: Path) -> list[dict]:
     """Every record of a daemon's audit log (rotated segments first), as written."""
     out = []
     for f in sorted(audit_dir.glob("*.jsonl")):
-        out += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        lines = f.read_text().split("\n")[:-1]      # complete lines: one being appended right now waits
+        out += [json.loads(line) for line in lines if line.strip()]
     return out
 
 
@@ -88,12 +91,16 @@ class Gateway:
         return r.stdout if check else r
 
     def start(self, wait_ready: bool = True, log_level: str | None = None) -> "Gateway":
-        log = open(self.log_path, "ab")
         level = ["--log-level", log_level] if log_level else []
-        self.proc = self.lab.spawn_gw([*CUBEGATE, "-c", str(self.settings_path), "run", *level], stdout=log, stderr=log,
-                                      cwd=REPO, lab_dns=False)
+        with open(self.log_path, "ab") as log:    # the child has its own copy of the fd
+            self.proc = self.lab.spawn_gw([*CUBEGATE, "-c", str(self.settings_path), "run", *level],
+                                          stdout=log, stderr=log, cwd=REPO, lab_dns=False)
         if wait_ready:
-            self.wait_ready()
+            try:
+                self.wait_ready()
+            except BaseException:
+                self.stop()          # not left running (holding its ports) until the lab closes
+                raise
         return self
 
     def ops(self, path: str) -> subprocess.CompletedProcess:

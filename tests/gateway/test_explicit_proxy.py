@@ -316,9 +316,7 @@ def test_client_aborting_mid_body_leaves_gateway_serving(gateway, lab):
 # ------------------------------------------------------------ audit + ops
 def test_audit_query_cli_filters(gateway):
     gateway.curl("https://denied.test/q")
-    gateway.wait_record(lambda r: r.get("host") == "denied.test")
-    import time
-    time.sleep(1.5)  # the daemon's index loop syncs every second; the CLI syncs too
+    gateway.wait_record(lambda r: r.get("host") == "denied.test")   # in the log: the CLI syncs its index from it
     out = gateway.cli("audit", "query", "--dir", str(gateway.audit_dir), "--sandbox", "sb-1",
                       "--decision", "deny", "--host", "denied.test", "--json")
     rows = [json.loads(l) for l in out.splitlines() if l.strip()] if not out.lstrip().startswith("[") else json.loads(out)

@@ -167,7 +167,7 @@ def test_direct_connection_to_transparent_port_is_refused_not_dialled(env, tls):
     assert resp.status in (0, 403), resp           # a 403 page or a reset, never an answer from upstream
     if resp.status == 403:
         assert resp.reason == "not_steered", resp
-    env.gw.wait_record(lambda r: r.get("reason") == "not_steered" and r.get("sandbox") == "sb-h1", timeout=3)
+    env.gw.wait_record(lambda r: r.get("reason") == "not_steered" and r.get("sandbox") == "sb-h1", timeout=10)
     assert env.hostile.requests(marker) == []
     assert _hostile_saw_since(env, t0, f"198.18.0.32:{TPORT}") == [], "the gateway dialled the upstream"
 

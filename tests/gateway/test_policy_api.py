@@ -52,9 +52,26 @@ def _policy(*hosts: str) -> str:
         {"name": "lab", "action": "allow", "match": {"hosts": list(hosts), "ports": [443]}}]})
 
 
+LEARN = ("name: learn\napplies_to: {sandboxes: [sb-r]}\nmode: report\ndefault: deny\nrules:\n"
+         "  - {name: api, action: allow, match: {hosts: [api.allowed.test]}}\n")
+
+
 @pytest.fixture
 def gw(lab, tmp_path):
+    """A gateway of the test's own: for tests that change policies."""
     g = Gateway(lab, tmp_path / "gw", {"main.yaml": MAIN}, sandboxes={"sb-1": {"team": "a"}})
+    g.policy_api_port = g.proxy_port + 3
+    g.start()
+    yield g
+    g.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_gw(lab, tmp_path_factory):
+    """One gateway for the tests that change no policy (a gateway start costs seconds): main from
+    its file for sb-1, and report mode for sb-r (the learn-mode test)."""
+    g = Gateway(lab, tmp_path_factory.mktemp("shared-gw"), {"main.yaml": MAIN, "learn.yaml": LEARN},
+                sandboxes={"sb-1": {"team": "a"}, "sb-r": {}})
     g.policy_api_port = g.proxy_port + 3
     g.start()
     yield g
@@ -119,7 +136,8 @@ def test_api_change_applies_to_the_next_connection_and_closes_a_now_denied_tunne
     assert kept["status"] == 200 and not kept["closed"], kept
 
 
-def test_broken_body_is_refused_with_a_pointer_and_changes_nothing(gw):
+def test_broken_body_is_refused_with_a_pointer_and_changes_nothing(shared_gw):
+    gw = shared_gw
     before = _api(gw, "GET", "/policies")[1]["digest"]
     status, body = _api(gw, "PUT", "/policies/main", content=json.dumps(
         {"default": "deny", "rules": [{"name": "r", "action": "allow", "match": {"hosts": ["*x.test"],
@@ -154,7 +172,8 @@ def test_restart_keeps_every_version_and_rollback(gw):
     assert gw.curl("https://spare1.test/").connect_status == 403
 
 
-def test_explicit_proxy_refusal_is_json_an_agent_can_read(gw):
+def test_explicit_proxy_refusal_is_json_an_agent_can_read(shared_gw):
+    gw = shared_gw
     r = gw.curl("https://denied.test/", "-s")
     assert r.connect_status == 403
     auth = base64.b64encode(f"sb-1:{gw.tokens['sb-1']}".encode()).decode()
@@ -179,21 +198,15 @@ def test_explicit_proxy_refusal_is_json_an_agent_can_read(gw):
     assert denials["sandbox"] == "sb-1" and any(d["host"] == "denied.test" for d in denials["denials"])
 
 
-def test_learn_mode_suggests_the_smallest_allow_policy_from_report_mode(lab, tmp_path):
-    report = ("name: learn\napplies_to: {sandboxes: [sb-r]}\nmode: report\ndefault: deny\nrules:\n"
-              "  - {name: api, action: allow, match: {hosts: [api.allowed.test]}}\n")
-    g = Gateway(lab, tmp_path / "gwr", {"main.yaml": MAIN, "learn.yaml": report}, sandboxes={"sb-r": {}})
-    g.start()
-    try:
-        for url in ("https://x.github.test/", "https://a.b.github.test/", "https://spare1.test/",
-                    "https://api.allowed.test/"):
-            assert g.curl(url, sandbox="sb-r").status == 200          # report mode lets it through
-        g.wait_record(lambda r: r.get("host") == "spare1.test" and r.get("would_deny"))
-        time.sleep(1.5)                                               # the audit index catches up
-        doc = __import__("yaml").safe_load(g.cli("policy", "suggest", "--sandbox", "sb-r", "--since", "1h",
-                                                 "--min-siblings", "2"))
-    finally:
-        g.stop()
+def test_learn_mode_suggests_the_smallest_allow_policy_from_report_mode(shared_gw):
+    g = shared_gw
+    for url in ("https://x.github.test/", "https://a.b.github.test/", "https://spare1.test/",
+                "https://api.allowed.test/"):
+        assert g.curl(url, sandbox="sb-r").status == 200          # report mode lets it through
+    for host in ("x.github.test", "a.b.github.test", "spare1.test"):   # all in the log: the CLI syncs its index
+        g.wait_record(lambda r: r.get("host") == host and r.get("would_deny") and r.get("sandbox") == "sb-r")
+    doc = __import__("yaml").safe_load(g.cli("policy", "suggest", "--sandbox", "sb-r", "--since", "1h",
+                                             "--min-siblings", "2"))
     hosts = sorted(h for r in doc["rules"] for h in r["match"]["hosts"])
     assert hosts == ["*.github.test", "spare1.test"], doc        # api.allowed.test was allowed already
     assert doc["applies_to"] == {"sandboxes": ["sb-r"]} and all(r["match"]["ports"] == [443] for r in doc["rules"])

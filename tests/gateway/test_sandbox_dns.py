@@ -125,7 +125,7 @@ def test_new_names_under_a_wildcard_are_limited_audited_and_never_forwarded(dlab
     assert (first["decision"], first["reason"], first["sandbox"]) == ("deny", "dns_name_rate_limited", SANDBOX)
     assert first["extra"]["scope"] == "*.wild.test" and first["extra"]["limit_per_minute"] == NAME_LIMIT
     # The upstream resolver never saw the refused names (it did see the admitted ones).
-    assert all(_upstream_saw(lab, n) for n in names[:NAME_LIMIT]), lab.logs("dns")[-2000:]
+    lab.wait_logs("dns", lambda _: all(_upstream_saw(lab, n) for n in names[:NAME_LIMIT]))
     assert not any(_upstream_saw(lab, n) for n in names[NAME_LIMIT:])
     # An admitted name keeps resolving (repeats are not new names); an exact host is never limited.
     assert sandbox_dig(net, "+short", names[0], tries=1).stdout.split() == [WILD_ADDR]

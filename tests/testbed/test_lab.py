@@ -78,7 +78,7 @@ def test_set_zone_is_picked_up(lab):
         lab.set_zone("new.test", None)
     r = lab.run_gw(["dig", "+time=2", "@198.18.0.2", "new.test"])
     assert "NXDOMAIN" in r.stdout
-    assert "query A new.test" in lab.logs("dns")
+    lab.wait_logs("dns", lambda out: "query A new.test" in out)
 
 
 def test_system_resolver_in_gw_processes_uses_lab_dns(lab):
