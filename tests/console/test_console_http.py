@@ -215,9 +215,13 @@ def test_audit_filters_export_and_escaping(daemon):
 
     def login_listed():   # the daemon's index syncs every second (more under load): poll, don't sleep
         r = b.get("/audit", params={"reason": "console.login", "since": "1h"})
-        return r.status_code == 200 and "console.login" in r.text
+        # the results' count, not the filter form (which echoes "console.login" back at once)
+        m = re.search(r"Records <small>\((\d+), newest first\)", r.text)
+        return r.status_code == 200 and m is not None and int(m.group(1)) > 0
 
     wait_for(login_listed, 15, "the login in the console's audit page")
+    wait_for(lambda: b.get("/audit/export", params={"decision": "allow"}).text.strip() != "", 15,
+             "allowed records in the export")
     r = b.get("/audit/export", params={"decision": "allow"})
     assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson"
     assert "attachment" in r.headers["content-disposition"]
