@@ -1,0 +1,161 @@
+"""Attack pass 4: resource bounds and fail-closed behaviour of the gateway's data paths, as a sandbox
+that runs arbitrary code and has read our source (earlier passes: test_attack_pass_1.py .. _3.py).
+
+Each test asserts the secure behaviour: FINDING tests failed before their fix, HOLDS tests pin a
+property no earlier test pinned. The sandbox resolver (cubegate/sandbox_dns.py) runs in-process on
+loopback with the real GuardedResolver in front of a nameserver of ours; the data-path tests use a
+real gateway (explicit + transparent, cubevs switch) and the hostile upstream (testbed/hostile.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import threading
+import time
+
+import pytest
+from dnslib import DNSRecord
+
+from cubegate.sandbox_dns import SandboxDns
+from egress.audit.log import AuditLog
+from egress.identity import Identity
+from egress.netguard import AddressGuard, GuardedResolver
+from egress.policy.compiled import CompiledPolicySet
+from egress.policy.loader import parse_policy_text
+
+# ------------------------------------------------------------------ sandbox DNS: bounded work
+DNS_POLICY = """\
+name: p
+default: deny
+rules:
+  - name: slow
+    action: allow
+    match: {hosts: [slow.x.test, "*.x.test"], ports: [443]}
+"""
+
+
+class _Policies:
+    def __init__(self, text: str):
+        self.current = CompiledPolicySet(parse_policy_text(text, "p.yaml")[0])
+
+
+class _LoopbackSandbox:
+    """The cubevs registry's answer for the one source these tests send from."""
+
+    def lookup_by_ip(self, ip):
+        return Identity("sb-dns4", {}) if ip == "127.0.0.1" else None
+
+
+class _SilentNameserver:
+    """A nameserver that reads every query and answers none (an attacker's authoritative server
+    for an allowed wildcard, or an upstream that is down): each query costs its full timeout."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.queries = 0
+        self._stop = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop:
+            try:
+                self.sock.recvfrom(4096)
+                self.queries += 1
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self._stop = True
+        self.thread.join(2)
+        self.sock.close()
+
+
+def _run_dns(tmp_path, client):
+    """Run a SandboxDns on loopback (its resolver asks a silent nameserver), then `client(port)`
+    in a thread; returns (client's result, queries the nameserver got)."""
+    silent = _SilentNameserver()
+
+    async def go():
+        resolver = GuardedResolver(AddressGuard(), [f"127.0.0.1:{silent.port}"], timeout=2.0)
+        audit = AuditLog(tmp_path / "audit", fsync="never")
+        srv = SandboxDns(lookup=_LoopbackSandbox(), policies=_Policies(DNS_POLICY), resolver=resolver, audit=audit)
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        probe.close()
+        await srv.start("127.0.0.1", port)
+        try:
+            return await asyncio.to_thread(client, port)
+        finally:
+            await srv.stop()
+            audit.close()
+
+    try:
+        out = asyncio.run(go())
+        time.sleep(0.3)
+        return out, silent.queries
+    finally:
+        silent.close()
+
+
+def test_a_udp_query_flood_does_not_multiply_upstream_dns_work(tmp_path):
+    """FINDING: every UDP datagram became a task that resolved on its own (A and AAAA, no limit, no
+    sharing): a sandbox sending 600 queries for an allowed name whose nameserver is slow got 1200+
+    upstream queries in flight at once (memory and upstream load without bound, an amplifier toward
+    any nameserver an allowed wildcard delegates to). The work one source may cause at once is capped."""
+    n = 600
+
+    def flood(port):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        for i in range(n):
+            q = DNSRecord.question("slow.x.test", "A")
+            q.header.id = i
+            s.sendto(q.pack(), ("127.0.0.1", port))
+        time.sleep(1.0)
+        s.close()
+
+    _, upstream = _run_dns(tmp_path, flood)
+    assert upstream <= 4 * SandboxDns.MAX_INFLIGHT_PER_SOURCE, f"{n} sandbox queries → {upstream} upstream queries"
+
+
+def _tcp_query(name: str) -> bytes:
+    q = DNSRecord.question(name, "TXT").pack()     # TXT: answered without an upstream query
+    return struct.pack("!H", len(q)) + q
+
+
+def test_tcp_dns_connections_per_source_are_capped(tmp_path):
+    """FINDING: the TCP listener took every connection and kept each for as long as a message
+    trickled in (10 s per read): one sandbox could hold thousands of the gateway's file descriptors
+    (shared with every proxy listener) in TCP DNS connections. Beyond a few per source, a new one is
+    closed at once; the ones held keep working, and closing them frees the budget."""
+    n = 40
+
+    def hold(port):
+        socks = [socket.create_connection(("127.0.0.1", port), timeout=3) for _ in range(n)]
+        time.sleep(0.3)
+        answered = 0
+        for s in socks:
+            try:
+                s.sendall(_tcp_query("a.x.test"))
+                if len(s.recv(2)) == 2:
+                    answered += 1
+            except OSError:
+                pass
+        for s in socks:
+            s.close()
+        time.sleep(0.3)
+        with socket.create_connection(("127.0.0.1", port), timeout=3) as s:   # the budget is back
+            s.sendall(_tcp_query("a.x.test"))
+            again = len(s.recv(2)) == 2
+        return answered, again
+
+    (answered, again), _ = _run_dns(tmp_path, hold)
+    assert 1 <= answered <= SandboxDns.MAX_TCP_PER_SOURCE, answered
+    assert again
