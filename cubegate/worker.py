@@ -201,10 +201,34 @@ class Worker:
         self._refresh()
 
     async def _policy_watch(self, interval: float) -> None:
-        """The daemon says when the store changes; this catches anything it could not say."""
+        """The daemon says when the store changes; this catches anything it could not say.
+        The identity table too: a removed, re-keyed or relabelled sandbox loses its open connections."""
+        seen = self._follow_identities(None)
         while True:
             await asyncio.sleep(interval)
             self._refresh()
+            seen = self._follow_identities(seen)
+
+    def _follow_identities(self, seen):
+        """Close the open connections of identities that changed since `seen` (None: the first
+        look); returns what is seen now (unchanged on a failure: the next poll tries again)."""
+        from cubegate.sandbox_lookup import RegistryLookup
+        from egress.revocation import identity_changed
+        try:
+            now = self.identities.generation()
+            if seen is None or now == seen:
+                return now
+            table = {i.sandbox_id: i for i in self.identities.list()}   # one read for every connection
+
+            def current(conn):
+                known = table.get(conn.sandbox_id)
+                return RegistryLookup.identity_of(conn.sandbox_id, known) if conn.transparent else known
+
+            self.dataplane.gate.revoke_where(identity_changed(current))
+            return now
+        except Exception:   # serving goes on; new connections still authenticate against the table
+            log.exception("worker %d: following identity changes failed", self.slot)
+            return seen
 
 
 def _fds(arg: str) -> list[socket.socket]:

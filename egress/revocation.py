@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from egress.identity import Identity
 from egress.policy import RequestInfo
 
 
@@ -22,6 +23,8 @@ class OpenConnection:
     labels: Mapping[str, str] = field(default_factory=dict)
     ip_literal: bool = False
     kind: str = "tunnel"          # passthrough | intercept | http | tcp | the registering path's own name
+    issued: float | None = None   # the identity's token (Identity.issued) it was authenticated with
+    transparent: bool = False     # identified by its source address, not a token
 
     def request(self) -> RequestInfo:
         """The destination as the CONNECT/SNI stage decides it (method and path unknown)."""
@@ -38,6 +41,17 @@ def denied_by(policy) -> Predicate:
     def check(conn: OpenConnection) -> str | None:
         d = policy.decide(conn.request())
         return None if d.allowed else d.reason
+    return check
+
+
+def identity_changed(current: Callable[[OpenConnection], "Identity | None"]) -> Predicate:
+    """Connections whose identity is no longer the one in force (removed, re-keyed, relabelled):
+    `current(conn)` is what a new connection of that sandbox would be given now (None: refused)."""
+    def check(conn: OpenConnection) -> str | None:
+        now = current(conn)
+        if now is None or dict(now.labels) != dict(conn.labels) or now.issued != conn.issued:
+            return "identity_changed"
+        return None
     return check
 
 

@@ -159,3 +159,122 @@ def test_tcp_dns_connections_per_source_are_capped(tmp_path):
     (answered, again), _ = _run_dns(tmp_path, hold)
     assert 1 <= answered <= SandboxDns.MAX_TCP_PER_SOURCE, answered
     assert again
+
+
+# ------------------------------------------------------------------ identity changes vs. open connections
+from tests.gateway import hostile_env as he                                      # noqa: E402
+from tests.gateway.hostile_env import H, KEY_A, SECOND, SINK                      # noqa: E402
+
+TPORT = 18097
+
+
+@pytest.fixture(scope="module")
+def env(lab, tmp_path_factory):
+    with he.hostile_env(lab, tmp_path_factory.mktemp("attack4"), tport=TPORT, prefix="a4") as e:
+        yield e
+
+
+def _marker() -> str:
+    return he.new_marker("a4-")
+
+
+def _ask(sock, path: str, host: str) -> tuple[int, bytes]:
+    """One keep-alive request on an open (TLS) connection; (status, body), (0, b"") when it is gone."""
+    try:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            d = sock.recv(65536)
+            if not d:
+                return 0, b""
+            buf += d
+        head, _, rest = buf.partition(b"\r\n\r\n")
+        n = next((int(v) for k, _, v in (line.partition(b":") for line in head.split(b"\r\n")[1:])
+                  if k.strip().lower() == b"content-length"), 0)
+        while len(rest) < n:
+            d = sock.recv(65536)
+            if not d:
+                break
+            rest += d
+        return int(head.split(b" ", 2)[1]), rest[:n]
+    except (OSError, ValueError):
+        return 0, b""
+
+
+def _closed_within(sock, seconds: float) -> bool:
+    """The gateway closed (or reset) this connection within `seconds`; nothing is sent on it."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        sock.settimeout(max(0.05, deadline - time.monotonic()))
+        try:
+            if sock.recv(65536) == b"":
+                return True
+        except socket.timeout:
+            return False
+        except OSError:
+            return True
+    return False
+
+
+def _rekey(env, sandbox: str, *labels: str) -> None:
+    env.gw.tokens[sandbox] = env.gw.cli("identity", "add", sandbox, "--replace",
+                                        *[f"--label={x}" for x in labels]).strip()
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("target", [H, SINK], ids=["intercepted", "passthrough"])
+def test_a_rekeyed_sandbox_loses_its_open_tunnels(env, target):
+    """FINDING: an identity is checked when a connection (CONNECT, or each plain request) is
+    authenticated, never again. A sandbox whose token was rotated (`identity add --replace`, the
+    answer to a leaked token) or removed kept every tunnel it held: a fast-path passthrough tunnel
+    relayed on, and an intercepted one had each new request decided for, and the credential
+    injected into it under, the old identity, for as long as the sandbox kept it busy. Open
+    connections of an identity that changed are closed (and audited as revoked)."""
+    sb = env.sandbox("explicit", SECOND)
+    m = _marker()
+    with sb.tls(target) as s:
+        assert _ask(s, f"/status/{m}-before?code=200", target)[0] == 200
+        if target == H:
+            he.injected_request(env.hostile, f"{m}-before", KEY_A)
+        _rekey(env, SECOND)
+        closed = _closed_within(s, 5.0)
+        after = _ask(s, f"/status/{m}-after?code=200", target) if not closed else (0, b"")
+    assert closed and after[0] == 0, after
+    assert env.hostile.requests(f"{m}-after") == []
+    rec = env.gw.wait_record(lambda r: r.get("reason") == "policy_revoked" and r.get("sandbox") == SECOND
+                             and (r.get("extra") or {}).get("denied_by") == "identity_changed")
+    assert rec["decision"] == "deny"
+    fresh = env.sandbox("explicit", SECOND)       # the new token works at once
+    with fresh.tls(target) as s:
+        assert _ask(s, f"/status/{m}-new?code=200", target)[0] == 200
+
+
+@pytest.mark.netns
+def test_a_relabelled_transparent_sandbox_loses_its_open_connections(env):
+    """FINDING (same class): in transparent mode the identity (labels from the identity table, which
+    select its policy) was read once per connection. After a relabel, requests on a kept-alive
+    connection were still decided with the old labels. Its open connections are closed."""
+    sb = env.sandbox("transparent")
+    m = _marker()
+    try:
+        with sb.tls(H) as s:
+            assert _ask(s, f"/status/{m}-before?code=200", H)[0] == 200
+            _rekey(env, he.SANDBOX, "team=moved")
+            closed = _closed_within(s, 5.0)
+            after = _ask(s, f"/status/{m}-after?code=200", H) if not closed else (0, b"")
+        assert closed and after[0] == 0, after
+        assert env.hostile.requests(f"{m}-after") == []
+    finally:
+        _rekey(env, he.SANDBOX, "team=t")
+
+
+@pytest.mark.netns
+def test_an_unchanged_identity_keeps_its_connections(env):
+    """HOLDS (and the fix keeps it): another sandbox's re-key, or none, closes nothing of this one."""
+    sb = env.sandbox("explicit")
+    m = _marker()
+    with sb.tls(SINK) as s:
+        assert _ask(s, f"/status/{m}-a?code=200", SINK)[0] == 200
+        _rekey(env, SECOND)
+        assert not _closed_within(s, 1.5)
+        assert _ask(s, f"/status/{m}-b?code=200", SINK)[0] == 200
