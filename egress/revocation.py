@@ -8,7 +8,7 @@ then re-decides all of them the same way and closes the ones now denied.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from egress.identity import Identity
 from egress.policy import RequestInfo
@@ -36,11 +36,25 @@ Closer = Callable[[str], None]   # close(reason)
 Predicate = Callable[[OpenConnection], "str | None"]   # the denial reason, or None to keep it
 
 
+BLIND_KINDS = frozenset({"passthrough", "tcp"})   # tunnels no request of which is ever decided
+
+
 def denied_by(policy) -> Predicate:
-    """The usual predicate: a connection whose destination `policy` now denies (at CONNECT stage)."""
+    """The usual predicate: a connection whose destination `policy` now denies (at CONNECT stage),
+    or a blind tunnel to a destination that now needs inspection (method/path rules): its
+    requests would never be decided, so it is closed and the sandbox reconnects, inspected."""
     def check(conn: OpenConnection) -> str | None:
         d = policy.decide(conn.request())
-        return None if d.allowed else d.reason
+        if not d.allowed:
+            return d.reason
+        if d.needs_inspection and conn.kind in BLIND_KINDS:
+            if conn.kind == "passthrough":   # TLS: rules that differ by scheme only settle (as the gate does)
+                d = policy.decide(replace(conn.request(), scheme="https"))
+                if not d.allowed:
+                    return d.reason
+            if d.needs_inspection:
+                return "needs_inspection"
+        return None
     return check
 
 

@@ -278,3 +278,45 @@ def test_an_unchanged_identity_keeps_its_connections(env):
         _rekey(env, SECOND)
         assert not _closed_within(s, 1.5)
         assert _ask(s, f"/status/{m}-b?code=200", SINK)[0] == 200
+
+
+# ------------------------------------------------------------------ policy changes vs. blind tunnels
+def _wait_policy(sb, done, path: str, seconds: float = 10.0) -> bool:
+    """Until a request on a new tunnel to the sink gets a status `done` accepts (the files are polled)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with sb.tls(SINK) as probe:
+            if done(_ask(probe, path, SINK)[0]):
+                return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("mode", he.MODES)
+def test_a_rule_that_needs_inspection_is_not_skipped_by_an_open_passthrough_tunnel(env, mode):
+    """FINDING: a policy change revokes the open connections its new policy denies at the CONNECT
+    stage. A new method/path rule (deny POST, deny /admin) does not deny there: it makes the
+    destination need inspection, so new tunnels are intercepted and the rule enforced per request;
+    but a passthrough tunnel opened before stayed open, blind: the sandbox went on sending the
+    requests the rule denies through it, for as long as it kept it alive. A blind tunnel whose
+    destination now needs inspection is closed (the sandbox reconnects and is inspected)."""
+    sb = env.sandbox(mode)
+    m = _marker()
+    policy = env.gw.policy_dir / "main.yaml"
+    original = policy.read_text()
+    rule = (f"  - name: sink-no-{m}\n    action: deny\n"
+            f"    match: {{hosts: [{SINK}], ports: [443], paths: [/deny-{m}]}}\n")
+    with sb.tls(SINK) as s:
+        assert _ask(s, f"/status/{m}-before?code=200", SINK)[0] == 200
+        policy.write_text(original + rule)
+        try:
+            assert _wait_policy(sb, lambda status: status == 403, f"/deny-{m}/probe"), \
+                "the new rule never took effect: the test proves nothing"
+            closed = _closed_within(s, 3.0)
+            after = _ask(s, f"/deny-{m}/through-the-old-tunnel", SINK) if not closed else (0, b"")
+        finally:
+            policy.write_text(original)
+            _wait_policy(sb, lambda status: status == 200, f"/deny-{m}/restored")
+    assert closed and after[0] == 0, after
+    assert env.hostile.requests(f"/deny-{m}/through-the-old-tunnel") == []
