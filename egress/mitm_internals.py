@@ -253,12 +253,34 @@ def install_head_limit(limit: int) -> None:
         patched = bounded(original, side)
         patched._cubegate_original = original
         cls.read_headers = patched
+    _http1.ChunkedReader = _bounded_chunked_reader(limit)
+
+
+def _bounded_chunked_reader(limit: int):
+    """h11's ChunkedReader (mitmproxy's for chunked bodies, both sides) buffers a chunk header line
+    and the trailer section until they end, however long: refused past `limit` like a head."""
+    import h11
+    from h11._readers import ChunkedReader
+    base = getattr(ChunkedReader, "_cubegate_base", ChunkedReader)
+
+    class BoundedChunkedReader(base):
+        _cubegate_base = base
+        _cubegate_limit = limit
+
+        def __call__(self, buf):
+            event = super().__call__(buf)
+            if event is None and len(buf) > limit:   # only a line still waiting for its end is left
+                raise h11.LocalProtocolError(f"chunk header or trailer section over {limit} bytes")
+            return event
+
+    return BoundedChunkedReader
 
 
 def head_limit_installed() -> int | None:
     a = getattr(_http1.Http1Server.read_headers, "_cubegate_limit", None)
     b = getattr(_http1.Http1Client.read_headers, "_cubegate_limit", None)
-    return a if a == b else None
+    c = getattr(_http1.ChunkedReader, "_cubegate_limit", None)
+    return a if a == b == c else None
 
 
 def _refusal_bytes(status: int, reason: str, detail: str) -> bytes:
@@ -383,3 +405,4 @@ def install_hook_table(master) -> None:
         raise RuntimeError("install the hook table before adding addons")
     master.options.changed.disconnect(master.addons._configure_all)
     master.addons = HookTableAddons(master)
+

@@ -166,12 +166,77 @@ from tests.gateway import hostile_env as he                                     
 from tests.gateway.hostile_env import H, KEY_A, SECOND, SINK                      # noqa: E402
 
 TPORT = 18097
+FLOOD, FLOOD_UNBOUND, FLOOD_IP = "flood.allowed.test", "flood2.allowed.test", "198.18.0.64"
+POLICY = he.POLICY.replace("sink.allowed.test]", f"sink.allowed.test, {FLOOD}, {FLOOD_UNBOUND}]", 1)
+assert POLICY != he.POLICY
+
+# A plain HTTP/1.1 upstream whose every answer is a chunked body followed by a trailer section that
+# never ends (or, for /ext, a chunk header that never ends); it logs how much of it it got to send.
+FLOOD_SERVER = r"""
+import json, socket, sys, threading
+LOG = open(sys.argv[2], "a", buffering=1)
+def serve(c):
+    with c:
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            d = c.recv(65536)
+            if not d:
+                return
+            buf += d
+        target = buf.split(b" ", 2)[1].decode()
+        start = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"
+        start += b"1;" if "/ext" in target else b"0\r\nX-Flood: "
+        sent, error = 0, None
+        try:
+            c.sendall(start)
+            block = b"a" * 65536
+            while sent < (32 << 20):
+                c.sendall(block)
+                sent += len(block)
+        except OSError as e:
+            error = type(e).__name__
+        LOG.write(json.dumps({"target": target, "sent": sent, "error": error}) + "\n")
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 80)); s.listen(64)
+print("READY", flush=True)
+while True:
+    c, _ = s.accept()
+    c.settimeout(20)
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"""
+
+
+def _setup_vault(gw) -> None:
+    he.setup_vault(gw)
+    gw.cli("vault", "binding", "add", "--id", "b-flood", "--tenant", "acme", "--secret", "hkey",
+           "--host", FLOOD, "--port", "80", "--allow-plaintext",
+           "--header", "Authorization", "--format", "Bearer {secret}")
 
 
 @pytest.fixture(scope="module")
 def env(lab, tmp_path_factory):
-    with he.hostile_env(lab, tmp_path_factory.mktemp("attack4"), tport=TPORT, prefix="a4") as e:
-        yield e
+    import sys
+
+    from testbed.serving import spawn_upstream
+    from tests.gateway.switchlab import switch_lab
+    tmp = tmp_path_factory.mktemp("attack4")
+    hostile = he.ensure_hostile(lab)
+    log_path = tmp / "flood.jsonl"
+    log_path.write_text("")
+    lab.add_host(FLOOD, FLOOD_IP)
+    lab.add_host(FLOOD_UNBOUND, FLOOD_IP)
+    popen = spawn_upstream(lab, [sys.executable, "-c", FLOOD_SERVER, FLOOD_IP, str(log_path)], "flood")
+    try:
+        with switch_lab(lab, tmp, POLICY, sandbox=he.SANDBOX, tport=TPORT, prefix="a4",
+                        before_start=_setup_vault) as (gw, sw, net):
+            out = gw.cli("identity", "placeholders", he.SANDBOX)
+            phs = dict(line.split("=", 1) for line in out.split() if "=" in line)
+            e = he.Env(gw, sw, net, hostile, phs["CUBEGATE_SECRET_HKEY"])
+            e.flood_log = log_path
+            yield e
+    finally:
+        popen.kill()
+        popen.wait(5)
 
 
 def _marker() -> str:
@@ -320,3 +385,162 @@ def test_a_rule_that_needs_inspection_is_not_skipped_by_an_open_passthrough_tunn
             _wait_policy(sb, lambda status: status == 200, f"/deny-{m}/restored")
     assert closed and after[0] == 0, after
     assert env.hostile.requests(f"/deny-{m}/through-the-old-tunnel") == []
+
+
+# ------------------------------------------------------------------ HTTP/1 framing outside the head
+FLOOD_BYTES = 48 << 20
+RSS_BOUND = 24 << 20  # the gateway's growth while a flood passes (a buffering gateway: the flood, and more)
+BOUND = 6 << 20       # what the sandbox may get of a response cut short
+
+
+def _flood_request(sb, host: str, shape: str) -> tuple[int, bytes | None]:
+    """A chunked POST whose chunk header (ext) or trailer section (trailer) never ends: the flood
+    bytes sent (until the gateway cut the connection), then what the gateway answered (None: it
+    neither answered nor closed within 10 s)."""
+    explicit = sb.mode == "explicit"
+    target = f"http://{host}/flood-{shape}" if explicit else f"/flood-{shape}"
+    head = f"POST {target} HTTP/1.1\r\nHost: {host}\r\nTransfer-Encoding: chunked\r\n"
+    head += (sb.auth + "\r\n") if explicit else ""
+    start = b"5\r\nhello\r\n" + (b"1;" if shape == "ext" else b"0\r\nX-Flood: ")
+    sent = 0
+    with sb.plain(host) as s:
+        s.settimeout(10)
+        try:
+            s.sendall(head.encode() + b"\r\n" + start)
+            block = b"a" * 65536
+            while sent < FLOOD_BYTES:
+                s.sendall(block)
+                sent += len(block)
+        except (ConnectionError, socket.timeout):
+            pass
+        try:
+            answer = s.recv(65536)
+        except ConnectionError:
+            answer = b""
+        except socket.timeout:
+            answer = None
+    return sent, answer
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("mode", he.MODES)
+@pytest.mark.parametrize("host", [SINK, H], ids=["fast_plain", "mitmproxy"])
+@pytest.mark.parametrize("shape", ["trailer", "ext"])
+def test_a_request_chunk_header_or_trailer_that_never_ends_is_bounded(env, mode, host, shape):
+    """FINDING: the head of a request is bounded (max_header_bytes), the framing after it was not.
+    A chunked body's trailer section that never ends was accumulated whole by the parser on both
+    paths (httptools joins a header value by bytes concatenation: quadratic CPU too, on the event
+    loop every sandbox shares; mitmproxy's h11 reader buffers until the blank line), and mitmproxy
+    did the same with a chunk header line (size + extension) that never ends: one sandbox could
+    grow the gateway without bound. (Fast path + ext: llhttp streams it, memory HOLDS; the request
+    went on forever.) Beyond about a head's worth the request is refused or the connection cut."""
+    from tests.gateway.test_exhaustion import RssWatch
+    with RssWatch(env.gw, RSS_BOUND) as watch:
+        sent, answer = _flood_request(env.sandbox(mode), host, shape)
+    assert watch.growth <= RSS_BOUND, f"the gateway grew by {watch.growth >> 20} MiB for {sent >> 20} MiB of flood"
+    if host == SINK:
+        assert answer is not None, "the gateway is still reading the never-ending section"
+    # mitmproxy, after the refusal of a streamed body, sometimes neither answers nor closes: it
+    # stops reading (memory stays bounded) and the connection waits for the idle timeout (reported)
+    assert not answer or answer.startswith(b"HTTP/1.1 4"), answer[:200]
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("host", [FLOOD_UNBOUND, FLOOD], ids=["fast_plain", "mitmproxy"])
+@pytest.mark.parametrize("shape", ["trailer", "ext"])
+def test_a_response_chunk_header_or_trailer_that_never_ends_is_bounded(env, host, shape):
+    """FINDING (same class, the upstream's side): an allowed upstream answering with a trailer
+    section (or, to mitmproxy, a chunk header) that never ends grew the gateway without bound.
+    Beyond about a head's worth the upstream is cut off; the sandbox sees its response cut."""
+    import json
+
+    from tests.gateway.test_exhaustion import RssWatch
+    sb = env.sandbox("explicit")
+    m = _marker()
+    path = f"/{m}/" + ("ext" if shape == "ext" else "trailer")
+    with RssWatch(env.gw, RSS_BOUND) as watch:
+        with sb.plain(host) as s:
+            s.settimeout(10)
+            s.sendall(f"GET http://{host}{path} HTTP/1.1\r\nHost: {host}\r\n{sb.auth}\r\n\r\n".encode())
+            got = 0
+            deadline = time.monotonic() + 20
+            try:
+                while time.monotonic() < deadline:
+                    d = s.recv(65536)
+                    if not d:
+                        break
+                    got += len(d)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 25
+        rec = None
+        while time.monotonic() < deadline and rec is None:
+            recs = [json.loads(x) for x in env.flood_log.read_text().splitlines() if x.strip()]
+            rec = next((r for r in recs if r["target"] == path), None)
+            time.sleep(0.2)
+    assert rec is not None, "the upstream never finished (the gateway neither read all nor cut it)"
+    assert watch.growth <= RSS_BOUND, f"the gateway grew by {watch.growth >> 20} MiB; upstream: {rec}"
+    assert rec["sent"] < (32 << 20), f"the gateway took the whole flood: {rec}"
+    assert got < BOUND, got
+
+
+@pytest.mark.parametrize("shape", ["trailer", "ext", "many_small_chunks"])
+def test_the_http1_readers_bound_what_follows_a_head(shape):
+    """The parsers behind the two tests above, both directions and both paths: a chunk header or
+    trailer section over the head limit is an error; a body of many 1-byte chunks (framing bytes
+    five times its size, each read carrying body) is not."""
+    import h11
+    from mitmproxy.proxy.layers.http import _http1
+
+    from egress import mitm_internals
+    from egress.fastpath.http1 import RequestReader, ResponseReader
+
+    limit = 8192
+    tail = {"trailer": b"5\r\nhello\r\n0\r\nX: " + b"a" * 40000,
+            "ext": b"5\r\nhello\r\n1;" + b"a" * 40000,
+            "many_small_chunks": b"1\r\nx\r\n" * 20000 + b"0\r\n\r\n"}[shape]
+    reads = [tail[i:i + 1024] for i in range(0, len(tail), 1024)]
+
+    req = RequestReader(limit)
+    req.feed(b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n")
+    for d in reads:
+        req.feed(d)
+    errors = [v for k, v in req.events if k == "error"]
+
+    class Sink:
+        def __init__(self):
+            self.errors, self.ended = [], False
+
+        def head(self, *a): pass
+
+        def body(self, d): pass
+
+        def trailers(self, f): pass
+
+        def end(self, keep): self.ended = True
+
+        def error(self, why): self.errors.append(why)
+
+    sink = Sink()
+    resp = ResponseReader(sink, head_request=False, max_head_bytes=limit)
+    resp.feed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+    for d in reads:
+        resp.feed(d)
+
+    mitm_internals.install_head_limit(limit)
+    reader, buf, mitm_error = _http1.make_body_reader(None), h11._receivebuffer.ReceiveBuffer(), None
+    try:
+        for d in reads:
+            buf += d
+            while reader(buf) is not None:
+                pass
+    except h11.LocalProtocolError as e:
+        mitm_error = str(e)
+
+    if shape == "many_small_chunks":
+        assert errors == [] and sink.errors == [] and sink.ended and mitm_error is None, (errors, sink.errors)
+        assert [k for k, _ in req.events][-1] == "end"
+    else:
+        assert errors and errors[0].startswith("head_too_large"), req.events
+        assert sink.errors and not sink.ended
+        assert mitm_error is not None and "over" in mitm_error
