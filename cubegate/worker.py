@@ -226,8 +226,10 @@ class Worker:
 
             self.dataplane.gate.revoke_where(identity_changed(current))
             return now
-        except Exception:   # serving goes on; new connections still authenticate against the table
-            log.exception("worker %d: following identity changes failed", self.slot)
+        except Exception as e:   # serving goes on (new connections still authenticate, fail closed);
+            from egress import hook_guard   # the text may quote the table: class and frames only
+            log.error("worker %d: following identity changes failed (%s at %s); retried next poll",
+                      self.slot, type(e).__name__, hook_guard.where(e))
             return seen
 
 
