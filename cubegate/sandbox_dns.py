@@ -68,6 +68,13 @@ class DnsMetrics:
 
 
 class SandboxDns:
+    # Bounded work per source address (a sandbox) and in all: a query flood or a pile of idle TCP
+    # connections cannot grow memory, file descriptors or upstream DNS load without limit.
+    MAX_INFLIGHT_PER_SOURCE = 32     # UDP queries being answered at once; more are dropped (clients retry)
+    MAX_INFLIGHT = 2048
+    MAX_TCP_PER_SOURCE = 4           # open TCP connections; a new one beyond is closed at once
+    MAX_TCP = 512
+
     def __init__(self, *, lookup: Any, policies: Any, resolver: Any, audit: Any, ttl: int = TTL,
                  audit_interval: float = 60.0, max_new_names: int = 120,
                  metrics_registry: CollectorRegistry | None = None, agent_addr: str | None = None):
@@ -87,6 +94,8 @@ class SandboxDns:
         self._tcp: asyncio.AbstractServer | None = None
         self._flusher: asyncio.Task | None = None
         self._pending: set[asyncio.Task] = set()
+        self._udp_inflight: collections.Counter[str] = collections.Counter()
+        self._tcp_open: collections.Counter[str] = collections.Counter()
         self._lost: asyncio.Future | None = None
 
     # ---------------------------------------------------------------- serving
@@ -197,8 +206,19 @@ class SandboxDns:
         self._pending.add(t)
         t.add_done_callback(self._pending.discard)
 
+    def _udp_received(self, data: bytes, addr: tuple) -> None:
+        ip = addr[0]
+        if self._udp_inflight[ip] >= self.MAX_INFLIGHT_PER_SOURCE or len(self._pending) >= self.MAX_INFLIGHT:
+            self.metrics.queries.labels("", "dropped_busy").inc()
+            return
+        self._udp_inflight[ip] += 1
+        self._spawn(self._udp_query(data, addr))
+
     async def _udp_query(self, data: bytes, addr: tuple) -> None:
-        reply = await self.handle(data, addr[0], addr[1])
+        try:
+            reply = await self.handle(data, addr[0], addr[1])
+        finally:
+            _decrement(self._udp_inflight, addr[0])
         if reply is not None and self._transport is not None:
             if len(reply) > 512:  # no EDNS: truncate, the client retries over TCP
                 r = DNSRecord.parse(reply)
@@ -209,6 +229,11 @@ class SandboxDns:
 
     async def _tcp_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername") or ("?", 0)
+        if self._tcp_open[peer[0]] >= self.MAX_TCP_PER_SOURCE or sum(self._tcp_open.values()) >= self.MAX_TCP:
+            self.metrics.queries.labels("", "tcp_refused_busy").inc()
+            writer.transport.abort()
+            return
+        self._tcp_open[peer[0]] += 1
         try:
             while True:
                 head = await asyncio.wait_for(reader.readexactly(2), timeout=10)
@@ -222,6 +247,7 @@ class SandboxDns:
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
             pass
         finally:
+            _decrement(self._tcp_open, peer[0])
             writer.close()
 
     # --------------------------------------------------------------- answering
@@ -331,12 +357,18 @@ class SandboxDns:
             return False
 
 
+def _decrement(counter: collections.Counter, key: str) -> None:
+    counter[key] -= 1
+    if counter[key] <= 0:
+        del counter[key]      # bounded: only sources with work in progress are kept
+
+
 class _UdpProtocol(asyncio.DatagramProtocol):
     def __init__(self, server: SandboxDns):
         self.server = server
 
     def datagram_received(self, data: bytes, addr: tuple) -> None:
-        self.server._spawn(self.server._udp_query(data, addr))
+        self.server._udp_received(data, addr)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server._socket_lost(exc)

@@ -19,7 +19,11 @@ class RegistryLookup:
         sandbox_id = self.registry.lookup_by_ip(ip)
         if sandbox_id is None:
             return None  # not a sandbox address: the gate denies (unknown_source)
-        known = self.identities.get(sandbox_id)
+        return self.identity_of(sandbox_id, self.identities.get(sandbox_id))
+
+    @staticmethod
+    def identity_of(sandbox_id: str, known: Identity | None) -> Identity:
+        """A transparent sandbox's identity, given its entry in the identity table (or None)."""
         return known if known is not None else Identity(sandbox_id, {})
 
     def close(self) -> None:

@@ -202,15 +202,42 @@ class Worker:
         self._refresh()
 
     async def _policy_watch(self, interval: float) -> None:
-        """The daemon says when the store changes; this catches anything it could not say."""
+        """The daemon says when the store changes; this catches anything it could not say.
+        The identity table too: a removed, re-keyed or relabelled sandbox loses its open connections."""
+        seen = self._follow_identities(None)
         while True:
             await asyncio.sleep(interval)
             self._refresh()
-            try:
-                self.dataplane.check_labels()   # relabelled sandboxes: their connections re-decided
+            seen = self._follow_identities(seen)
+            try:   # then the relabelled ones still open: re-decided with their new labels
+                self.dataplane.check_labels()
             except Exception as e:   # noqa: BLE001 - keep watching; the next look compares again
                 # by type and frames only: a store's error text can quote what it read
                 log.error("worker %d: label watch failed: %s at %s", self.slot, type(e).__name__, where(e))
+
+    def _follow_identities(self, seen):
+        """Close the open connections of identities removed or re-keyed since `seen` (None: the
+        first look); returns what is seen now (unchanged on a failure: the next poll tries again).
+        A relabel alone is check_labels' (re-decided, not closed)."""
+        from cubegate.sandbox_lookup import RegistryLookup
+        from egress.revocation import identity_changed
+        try:
+            now = self.identities.generation()
+            if seen is None or now == seen:
+                return now
+            table = {i.sandbox_id: i for i in self.identities.list()}   # one read for every connection
+
+            def current(conn):
+                known = table.get(conn.sandbox_id)
+                return RegistryLookup.identity_of(conn.sandbox_id, known) if conn.transparent else known
+
+            self.dataplane.gate.revoke_where(identity_changed(current))
+            return now
+        except Exception as e:   # serving goes on (new connections still authenticate, fail closed);
+            # the text may quote the table: class and frames only
+            log.error("worker %d: following identity changes failed (%s at %s); retried next poll",
+                      self.slot, type(e).__name__, where(e))
+            return seen
 
 
 def _fds(arg: str) -> list[socket.socket]:

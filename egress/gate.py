@@ -186,7 +186,8 @@ class PolicyGate:
                     or (st.kind == "pending" and not st.tunnel):
                 continue
             out.append(OpenConnection(st.conn_id, st.identity.sandbox_id, st.host, st.port,
-                                      labels=st.identity.labels, ip_literal=st.ip_literal, kind=st.kind))
+                                      labels=st.identity.labels, ip_literal=st.ip_literal, kind=st.kind,
+                                      issued=st.identity.issued, transparent=st.transparent))
         return out + [c for c, _ in self.registered.items()]
 
     def revoke_where(self, predicate: Predicate) -> list[tuple[OpenConnection, str]]:

@@ -41,6 +41,7 @@ class IdentityError(ValueError):
 class Identity:
     sandbox_id: str
     labels: Mapping[str, str] = field(default_factory=dict)
+    issued: float | None = field(default=None, compare=False)   # when its token was made (re-key: new)
 
 
 def _hash(token: str) -> str:
@@ -76,6 +77,7 @@ class IdentityStore:
         )
         self._cache: dict[tuple[str, str], Identity] = {}
         self._cache_version: int | None = None
+        self._writes = 0
 
     def close(self) -> None:
         self._db.close()
@@ -105,25 +107,33 @@ class IdentityStore:
             except sqlite3.IntegrityError:
                 raise IdentityError(f"sandbox {sandbox_id!r} already exists (use --replace to re-key)") from None
             self._cache.clear()   # data_version only counts other connections' commits
+            self._writes += 1
         return token
 
     def remove(self, sandbox_id: str) -> bool:
         with self._lock:
             cur = self._db.execute("DELETE FROM identities WHERE sandbox_id = ?", (sandbox_id,))
             self._cache.clear()
+            self._writes += 1
         return cur.rowcount > 0
+
+    def generation(self) -> tuple[int, int]:
+        """Changes whenever the table may have (any process's commit, or ours): a cheap poll."""
+        with self._lock:
+            return self._db.execute("PRAGMA data_version").fetchone()[0], self._writes
 
     def get(self, sandbox_id: str) -> Identity | None:
         with self._lock:
             row = self._db.execute(
-                "SELECT sandbox_id, labels FROM identities WHERE sandbox_id = ?", (sandbox_id,)
+                "SELECT sandbox_id, labels, created FROM identities WHERE sandbox_id = ?", (sandbox_id,)
             ).fetchone()
-        return Identity(row[0], json.loads(row[1])) if row else None
+        return Identity(row[0], json.loads(row[1]), row[2]) if row else None
 
     def list(self) -> list[Identity]:
         with self._lock:
-            rows = self._db.execute("SELECT sandbox_id, labels FROM identities ORDER BY sandbox_id").fetchall()
-        return [Identity(r[0], json.loads(r[1])) for r in rows]
+            rows = self._db.execute(
+                "SELECT sandbox_id, labels, created FROM identities ORDER BY sandbox_id").fetchall()
+        return [Identity(r[0], json.loads(r[1]), r[2]) for r in rows]
 
     def labels_by_sandbox(self) -> dict[str, dict[str, str]]:
         with self._lock:
@@ -150,14 +160,14 @@ class IdentityStore:
             if hit is not None:
                 return hit
             row = self._db.execute(
-                "SELECT labels, token_hash FROM identities WHERE sandbox_id = ?", (sandbox_id,)
+                "SELECT labels, token_hash, created FROM identities WHERE sandbox_id = ?", (sandbox_id,)
             ).fetchone()
             # Compare even when the id is unknown so timing does not reveal which ids exist.
             stored = row[1] if row else "0" * 64
             ok = hmac.compare_digest(stored, key[1])
             if not (row and ok):
                 return None
-            ident = Identity(sandbox_id, json.loads(row[0]))
+            ident = Identity(sandbox_id, json.loads(row[0]), row[2])
             if len(self._cache) >= CACHE_MAX:
                 self._cache.clear()
             self._cache[key] = ident

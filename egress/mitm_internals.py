@@ -298,6 +298,7 @@ def install_head_limit(limit: int) -> None:
         patched._cubegate_original = original
         cls.read_headers = patched
     _install_h2_informational_limit(limit)
+    _http1.ChunkedReader = _bounded_chunked_reader(limit)
 
 
 # -- 1xx heads from an upstream -------------------------------------------------------------
@@ -373,11 +374,32 @@ def _install_h2_informational_limit(max_bytes: int) -> None:
     cls.handle_h2_event = handle_h2_event
 
 
+def _bounded_chunked_reader(limit: int):
+    """h11's ChunkedReader (mitmproxy's for chunked bodies, both sides) buffers a chunk header line
+    and the trailer section until they end, however long: refused past `limit` like a head."""
+    import h11
+    from h11._readers import ChunkedReader
+    base = getattr(ChunkedReader, "_cubegate_base", ChunkedReader)
+
+    class BoundedChunkedReader(base):
+        _cubegate_base = base
+        _cubegate_limit = limit
+
+        def __call__(self, buf):
+            event = super().__call__(buf)
+            if event is None and len(buf) > limit:   # only a line still waiting for its end is left
+                raise h11.LocalProtocolError(f"chunk header or trailer section over {limit} bytes")
+            return event
+
+    return BoundedChunkedReader
+
+
 def head_limit_installed() -> int | None:
     a = getattr(_http1.Http1Server.read_headers, "_cubegate_limit", None)
     b = getattr(_http1.Http1Client.read_headers, "_cubegate_limit", None)
     c = getattr(_http2.Http2Client.handle_h2_event, "_cubegate_limit", None)
-    return a if a == b == c else None
+    d = getattr(_http1.ChunkedReader, "_cubegate_limit", None)
+    return a if a == b == c == d else None
 
 
 def _refusal_bytes(status: int, reason: str, detail: str) -> bytes:
@@ -502,3 +524,4 @@ def install_hook_table(master) -> None:
         raise RuntimeError("install the hook table before adding addons")
     master.options.changed.disconnect(master.addons._configure_all)
     master.addons = HookTableAddons(master)
+

@@ -8,8 +8,9 @@ then re-decides all of them the same way and closes the ones now denied.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from egress.identity import Identity
 from egress.policy import RequestInfo
 
 
@@ -22,6 +23,8 @@ class OpenConnection:
     labels: Mapping[str, str] = field(default_factory=dict)
     ip_literal: bool = False
     kind: str = "tunnel"          # passthrough | intercept | http | tcp | the registering path's own name
+    issued: float | None = None   # the identity's token (Identity.issued) it was authenticated with
+    transparent: bool = False     # identified by its source address, not a token
 
     def request(self) -> RequestInfo:
         """The destination as the CONNECT/SNI stage decides it (method and path unknown)."""
@@ -33,11 +36,39 @@ Closer = Callable[[str], None]   # close(reason)
 Predicate = Callable[[OpenConnection], "str | None"]   # the denial reason, or None to keep it
 
 
+BLIND_KINDS = frozenset({"passthrough", "tcp"})   # tunnels no request of which is ever decided
+
+
 def denied_by(policy) -> Predicate:
-    """The usual predicate: a connection whose destination `policy` now denies (at CONNECT stage)."""
+    """The usual predicate: a connection whose destination `policy` now denies (at CONNECT stage),
+    or a blind tunnel to a destination that now needs inspection (method/path rules): its
+    requests would never be decided, so it is closed and the sandbox reconnects, inspected."""
     def check(conn: OpenConnection) -> str | None:
         d = policy.decide(conn.request())
-        return None if d.allowed else d.reason
+        if not d.allowed:
+            return d.reason
+        if d.needs_inspection and conn.kind in BLIND_KINDS:
+            if conn.kind == "passthrough":   # TLS: rules that differ by scheme only settle (as the gate does)
+                d = policy.decide(replace(conn.request(), scheme="https"))
+                if not d.allowed:
+                    return d.reason
+            if d.needs_inspection:
+                return "needs_inspection"
+        return None
+    return check
+
+
+def identity_changed(current: Callable[[OpenConnection], "Identity | None"]) -> Predicate:
+    """Connections whose identity is gone, or (explicit) whose token was re-issued — the answer
+    to a leaked token revokes what was opened with it: `current(conn)` is what a new connection
+    of that sandbox would be given now (None: refused). A transparent connection is identified by
+    its address, not a token: a re-key alone leaves it to the relabel check (PolicyGate.relabel),
+    which decides it again with the labels now in force."""
+    def check(conn: OpenConnection) -> str | None:
+        now = current(conn)
+        if now is None or (not conn.transparent and now.issued != conn.issued):
+            return "identity_changed"
+        return None
     return check
 
 

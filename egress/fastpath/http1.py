@@ -73,6 +73,7 @@ class RequestReader:
         self._began_in_feed = False
         self._replay_limit = max_head_bytes + (1 << 17)
         self._why: str | None = None
+        self._framing = _FramingBound(max_head_bytes)
 
     # -------------------------------------------------------------- feeding
     def feed(self, data: bytes) -> None:
@@ -90,6 +91,7 @@ class RequestReader:
         self._feed_start_idle = not self._in_message
         self._began_in_feed = False
         self._data = data
+        self._framing.feed_started()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -100,6 +102,9 @@ class RequestReader:
             self._failed = True
         if self._in_head and self._head_bytes > self.max_head_bytes and not self._failed:
             self._push("error", "head_too_large")
+            self._failed = True
+        if self._framing.over(len(data), self._in_message and not self._in_head) and not self._failed:
+            self._push("error", "head_too_large: a chunk header or trailer section too long")
             self._failed = True
 
     def _push(self, kind: str, value) -> None:
@@ -126,6 +131,7 @@ class RequestReader:
         self._began_in_feed = True
         self._in_message = self._in_head = True
         self._head_bytes = 0
+        self._framing.reset()
         self._url.clear()
         self._headers = []
 
@@ -150,6 +156,7 @@ class RequestReader:
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._framing.reset()
         p = self._parser
         chunked, length = _framing(self._headers)
         head = RequestHead(method=p.get_method().decode("ascii", "replace"), target=bytes(self._url),
@@ -161,11 +168,37 @@ class RequestReader:
         self._push("head", head)
 
     def on_body(self, body: bytes) -> None:
+        self._framing.reset()
         self._push("body", bytes(body))
 
     def on_message_complete(self) -> None:
         self._in_message = False
         self._push("end", None)
+
+
+class _FramingBound:
+    """Bytes of a message after its head that are not body: chunk headers and the trailer section.
+    llhttp streams them, but httptools joins a header (a trailer) in memory until it ends, by
+    bytes concatenation; bounded like a head. Counted per read (a read with body bytes starts the
+    count again), so the bound is `limit` plus one read."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._bytes = 0
+        self._reset_in_feed = False
+
+    def feed_started(self) -> None:
+        self._reset_in_feed = False
+
+    def reset(self) -> None:
+        self._bytes = 0
+        self._reset_in_feed = True
+
+    def over(self, n: int, counting: bool) -> bool:
+        if not counting or self._reset_in_feed:
+            return False
+        self._bytes += n
+        return self._bytes > self.limit
 
 
 def serialize_request_head(method: str, target: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -211,6 +244,7 @@ class ResponseReader:
         self.framing = None
         self.done = False
         self.failed = False
+        self._framing_bound = _FramingBound(max_head_bytes)
 
     def feed(self, data: bytes) -> None:
         if self.done or self.failed:
@@ -219,6 +253,7 @@ class ResponseReader:
             return
         if self._in_head:
             self._head_bytes += len(data)
+        self._framing_bound.feed_started()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -227,6 +262,8 @@ class ResponseReader:
             self._fail(self._why or str(e)[:200] or "parse error")
         if self._in_head and self._head_bytes > self.max_head_bytes:
             self._fail("upstream response head too large")    # a head that never ends (bounded)
+        if self._framing_bound.over(len(data), not self._in_head and not self.done):
+            self._fail("upstream chunk header or trailer section too long")
 
     def eof(self) -> None:
         """The upstream closed: the end of a close-delimited body, else a cut response."""
@@ -263,6 +300,7 @@ class ResponseReader:
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._framing_bound.reset()
         status = self._parser.get_status_code()
         if 100 <= status < 200:
             if status == 101:
@@ -294,6 +332,7 @@ class ResponseReader:
     def on_body(self, body: bytes) -> None:
         if self.done:
             raise httptools.HttpParserError("body on a response without one")
+        self._framing_bound.reset()
         self.sink.body(bytes(body))
 
     def on_message_complete(self) -> None:

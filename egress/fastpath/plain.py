@@ -594,7 +594,8 @@ class PlainConn(asyncio.Protocol):
         st = self.st
         self.gate.register_connection(OpenConnection(st.conn_id, st.identity.sandbox_id, st.host, st.port,
                                                      labels=st.identity.labels, ip_literal=st.ip_literal,
-                                                     kind="http"), self.revoke)
+                                                     kind="http", issued=st.identity.issued,
+                                                     transparent=st.transparent), self.revoke)
 
     # ---------------------------------------------------------- forwarding
     async def _forward(self, head, target: Target, addresses, plan, path_s: str, t0: float) -> bool:

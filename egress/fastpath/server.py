@@ -215,7 +215,8 @@ class FastPath:
         st = c.st
         self.gate.register_connection(OpenConnection(st.conn_id, st.identity.sandbox_id, st.host, st.port,
                                                      labels=st.identity.labels, ip_literal=st.ip_literal,
-                                                     kind="passthrough"), c.revoke)
+                                                     kind="passthrough", issued=st.identity.issued,
+                                                     transparent=st.transparent), c.revoke)
 
     def _forget(self, c: "_Conn", *, audit: bool) -> None:
         self.conns.discard(c)

@@ -1,8 +1,10 @@
 """A sandbox relabelled while it holds connections (policy by label): each open connection
 is re-decided with the new labels, as on a policy change — the ones now denied are closed
-(policy_revoked), the ones still allowed stay open. Real gateway; explicit mode through the
-fast path and through mitmproxy (an intercepted host), transparent mode through a cubevs
-switch. The relabel is `cubegate identity add --replace` from another process."""
+(policy_revoked), the ones still allowed stay open. Real gateway; transparent mode through a
+cubevs switch. The relabel is `cubegate identity add --replace` from another process, which
+re-keys too: an explicit sandbox's open connections were opened with the token it revokes, so
+they close (identity_changed) whatever the new labels allow, on the fast path and through
+mitmproxy (an intercepted host)."""
 from __future__ import annotations
 
 import socket
@@ -20,6 +22,7 @@ pytestmark = pytest.mark.netns
 
 TPORT = 18069
 API_IP = "198.18.0.10"       # api.allowed.test in the lab
+PASS_IP = "198.18.0.11"      # passthrough.allowed.test
 TEAM_A = """\
 name: team-a
 tenant: acme
@@ -99,40 +102,24 @@ def _explicit(gw, sandbox: str, host: str):
 
 
 def test_explicit_tunnel_the_new_labels_deny_is_closed(egw, lab):
+    """An explicit sandbox is relabelled by re-keying it (`identity add --replace`): the token the
+    tunnel was opened with is revoked, so the tunnel closes (identity_changed) whatever the labels."""
     out = lab.call_gw(_hold_then, _explicit(egw, "sb-r1", "api.allowed.test"), "api.allowed.test",
                       str(lab.ca.bundle_path), lambda: _relabel(egw, "sb-r1", "b"))
     assert out["closed"] and out["after_s"] < 2.5, out
     rev = _revoked(egw, "sb-r1", "api.allowed.test")
-    assert rev["extra"]["denied_by"] == "default_deny", rev
+    assert rev["extra"]["denied_by"] == "identity_changed", rev
     r = egw.curl("https://api.allowed.test/", sandbox="sb-r1")
-    assert r.connect_status == 403, r           # and the next connection is decided the same way
+    assert r.connect_status == 403, r           # the new token, the new labels: team b denies it
 
 
-def test_explicit_tunnel_the_new_labels_allow_stays_open(egw, lab):
+def test_explicit_tunnel_the_new_labels_allow_is_closed_too_its_token_was_revoked(egw, lab):
     out = lab.call_gw(_hold_then, _explicit(egw, "sb-r2", "passthrough.allowed.test"), "passthrough.allowed.test",
                       str(lab.ca.bundle_path), lambda: _relabel(egw, "sb-r2", "b"))
-    assert not out["closed"], out
-    assert not [r for r in egw.audit_records() if r.get("reason") == "policy_revoked" and r.get("sandbox") == "sb-r2"]
-
-
-def test_a_kept_connection_is_decided_with_its_new_labels_on_the_next_policy_change(egw, lab):
-    """Kept open on relabel (team b allows it too), then team b's policy stops allowing it:
-    the policy change must see the connection's new labels (with the old ones, team a's
-    policy would keep it open)."""
-    b_file = egw.policy_dir / "b.yaml"
-
-    def relabel_then_narrow_team_b():
-        _relabel(egw, "sb-r4", "b")
-        time.sleep(1.0)                       # the label watch polls every policy_poll_seconds
-        b_file.write_text(TEAM_B.replace("[passthrough.allowed.test]", "[api.allowed.test]"))
-    try:
-        out = lab.call_gw(_hold_then, _explicit(egw, "sb-r4", "passthrough.allowed.test"),
-                          "passthrough.allowed.test", str(lab.ca.bundle_path), relabel_then_narrow_team_b,
-                          window=6.0)
-    finally:
-        b_file.write_text(TEAM_B)
     assert out["closed"], out
-    assert _revoked(egw, "sb-r4", "passthrough.allowed.test")["extra"]["denied_by"] == "default_deny"
+    assert _revoked(egw, "sb-r2", "passthrough.allowed.test")["extra"]["denied_by"] == "identity_changed"
+    r = egw.curl("https://passthrough.allowed.test/", sandbox="sb-r2")
+    assert r.connect_status == 200, r           # the new token works at once
 
 
 def test_intercepted_connection_the_new_labels_deny_is_closed(egw, lab):
@@ -156,3 +143,29 @@ def test_transparent_connection_the_new_labels_deny_is_closed(lab, tmp_path_fact
         assert out["closed"] and out["after_s"] < 2.5, out
         rev = _revoked(gw, "sb-rt", "api.allowed.test")
         assert rev["extra"]["denied_by"] == "default_deny", rev
+
+
+def test_transparent_kept_connection_is_decided_with_its_new_labels_on_the_next_policy_change(lab, tmp_path_factory):
+    """Kept open on relabel (team b allows it too), then team b's policy stops allowing it: the
+    policy change must see the connection's new labels (with the old ones, team t's policy would
+    keep it open)."""
+    def team_b_too(gw):
+        (gw.policy_dir / "b.yaml").write_text(TEAM_B)
+
+    with switch_lab(lab, tmp_path_factory.mktemp("relabel-k"), TEAM_A.replace("team: a}", "team: t}", 1),
+                    sandbox="sb-rk", tport=TPORT, prefix="rk", before_start=team_b_too) as (gw, _sw, net):
+        b_file = gw.policy_dir / "b.yaml"
+
+        def relabel_then_narrow_team_b():
+            _relabel(gw, "sb-rk", "b")
+            time.sleep(1.0)                       # the label watch polls every policy_poll_seconds
+            b_file.write_text(TEAM_B.replace("[passthrough.allowed.test]", "[api.allowed.test]"))
+
+        def connect():
+            return socket.create_connection((PASS_IP, 443), timeout=5)    # steered to the gateway
+        out = netns.call_in_netns(net.netns, _hold_then, connect, "passthrough.allowed.test", str(lab.ca.bundle_path),
+                                  relabel_then_narrow_team_b, window=6.0, timeout=40)
+        assert out["closed"], out
+        revoked = [r for r in gw.audit_records() if r.get("sandbox") == "sb-rk" and r.get("reason") == "policy_revoked"]
+        # one close, by the narrowing (team b's policy now denies it), none by the relabel itself
+        assert len(revoked) == 1 and revoked[0]["extra"]["denied_by"] == "default_deny", revoked
