@@ -176,3 +176,20 @@ def test_summaries_are_written_each_interval_with_bounded_keys_per_source(lab, t
         assert _metric(gw, "cubegate_decisions_total", sandbox="sb-flood", action="deny") == n
     finally:
         gw.stop()
+
+
+# ------------------------------------------------------------------ the soak's exact accounting
+def test_soak_accounting_matches_counted_refusals_exactly():
+    from tests.soak import accounting
+    conns = [{"ip": f"127.0.0.{i}", "kind": "denied", "error": None, "sandbox": "sb-1", "paths": [], "acked": [],
+              "connect_status": 403} for i in (1, 2, 3)]
+    written = {"event": "decision", "client": "127.0.0.1:5000", "sandbox": "sb-1", "decision": "deny",
+               "reason": "default_deny", "status": 403, "extra": {"kind": "denied", "closed": True}}
+
+    def summary(n):
+        return {"event": "decision", "sandbox": "sb-1", "decision": "deny", "reason": "refusals_counted",
+                "extra": {"refused": n, "written": 1}}
+    assert accounting.check(conns, [written, summary(2)])[0] == []
+    assert accounting.check(conns, [written, summary(1)])[0]          # one refusal accounted nowhere
+    assert accounting.check(conns, [written, summary(3)])[0]          # one counted too many
+    assert accounting.check(conns, [written])[0]
