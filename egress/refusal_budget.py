@@ -10,7 +10,8 @@ interval is drained (and at shutdown), so every refusal is still accounted for.
 Bounded memory: at most ``max_sources`` sources are tracked per interval (refusals of
 further sources are counted under ``OTHER_SOURCE``, never written one by one: fail
 closed on the log's size), and at most ``max_keys`` (reason, host) pairs per source
-(further pairs under ``(OTHER, OTHER)``).
+(further hosts under ``(reason, OTHER)``: reasons are a fixed set, egress/reasons.py, so
+the totals per reason stay exact).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class CountedRefusals:
         parts, folded, used = [], 0, 0
         for (r, h), n in sorted(self.by_key.items(), key=lambda kv: (-kv[1], kv[0])):
             part = f"{r}@{h}={n}"
-            if (r, h) == (OTHER, OTHER) or used + len(part) + 1 > max_len - 16:
+            if used + len(part) + 1 > max_len - 16:
                 folded += n
                 continue
             parts.append(part)
@@ -64,7 +65,7 @@ class RefusalBudget:
             return True
         key = (reason or OTHER, host or "")
         if key not in c.by_key and len(c.by_key) >= self.max_keys:
-            key = (OTHER, OTHER)
+            key = (key[0], OTHER)
         c.by_key[key] = c.by_key.get(key, 0) + 1
         c.counted += 1
         return False
