@@ -142,7 +142,9 @@ class FastPath:
         st = c.st
         st.kind, st.denied_reason = "denied", reason
         fields.update(decision="deny", reason=reason, status=status)
-        if c.finished_deciding or c.per_request:   # records were written: connection_closed follows
+        if c.finished_deciding:          # its allow was written: this refusal and connection_closed follow
+            self._audit("decision", st, **fields)
+        elif c.per_request:              # plain HTTP: connection_closed follows (skipped if this is counted)
             self._audit_refusal("decision", st, **fields)
         else:
             self._audit_refused_connection(c, fields)
