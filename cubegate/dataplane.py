@@ -81,6 +81,7 @@ class DataPlane:
         from egress.bodies import BodyLimits
         from egress.engine import build_master
         from egress.gate import PolicyGate
+        from egress.refusal_budget import RefusalBudget
         from egress.revocation import denied_by
         self.settings = s
         self.gate = PolicyGate(
@@ -94,6 +95,7 @@ class DataPlane:
                                    inspect_buffer_bytes=s.proxy.inspect_buffer_bytes,
                                    max_buffered_bytes_per_sandbox=s.proxy.max_buffered_bytes_per_sandbox),
             agent_endpoint=agent_endpoint,
+            refusal_budget=RefusalBudget(s.audit.refusals_written_per_interval),
         )
         # A change (API, grant, expiry, file) closes open connections the new policy denies.
         policies.on_change(lambda old, new: self.gate.revoke_where(denied_by(new)))
@@ -120,6 +122,7 @@ class DataPlane:
     async def start(self, supervisor) -> asyncio.Task:
         """Listen; returns mitmproxy's task (it ends only when mitmproxy does)."""
         master_task = supervisor.start("mitmproxy", self._run_master())
+        supervisor.start("refusal-summaries", self._refusal_summaries())
         if self.fast_path is not None:
             await self.fast_path.start(self._sockets)
         else:
@@ -132,6 +135,13 @@ class DataPlane:
             await self.master.run()
         except SystemExit as e:  # mitmproxy's errorcheck: an ERROR was logged during startup
             raise RuntimeError(f"mitmproxy exited ({e.code}): an error was logged during startup") from None
+
+    async def _refusal_summaries(self) -> None:
+        """Each interval's end: the refusals past a source's budget, as one record per source."""
+        interval = self.settings.audit.refusal_interval_seconds
+        while True:
+            await asyncio.sleep(interval)
+            self.gate.flush_refusals(interval)
 
     def check_labels(self) -> None:
         """Polled: re-decide the open connections of every sandbox relabelled since the last look."""
@@ -153,4 +163,5 @@ class DataPlane:
         from egress.drain import drain
         fast = self.fast_path.drain(seconds) if self.fast_path is not None else asyncio.sleep(0)
         await asyncio.gather(fast, drain(self.master, seconds, close_first=()))
+        self.gate.flush_refusals(self.settings.audit.refusal_interval_seconds)   # none counted is lost
         self.master.shutdown()

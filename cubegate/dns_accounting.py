@@ -15,12 +15,15 @@ interval with counters, not one per query; refusals by the limiter as one record
 policy never allows, SSRF answers) are written one by one, but at most
 ``MAX_DENIALS_PER_INTERVAL`` per sandbox and interval: beyond that they are counted into
 one record at the interval's end (a sandbox flooding random names would otherwise fill
-the audit log and push every sandbox's older records out of its rotation).
+the audit log and push every sandbox's older records out of its rotation) — the
+gateway's own rule for its refusals, egress.refusal_budget.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from egress.refusal_budget import CountedRefusals, RefusalBudget
 
 WINDOW_SECONDS = 60.0
 MAX_LIMITER_KEYS = 50_000       # (sandbox, scope) pairs: sandboxes x wildcard rules in their policy
@@ -105,31 +108,21 @@ class LimitedCounts:
 
 
 @dataclass
-class DeniedCounts:
-    written: int = 0                     # refusals written one by one this interval
-    counted: int = 0                     # refusals past MAX_DENIALS_PER_INTERVAL: only counted
-    first_name: str = ""                 # the first of those
-    reasons: dict[str, int] = field(default_factory=dict)
-
-    def reasons_text(self) -> str:
-        return ",".join(f"{r}={n}" for r, n in sorted(self.reasons.items()))
-
-
-@dataclass
 class Interval:
     """What one interval saw, ready to become audit records."""
     names: dict[tuple[str, str], NameCounts]           # (sandbox, name)
     limited: dict[tuple[str, str], LimitedCounts]      # (sandbox, scope)
     overflow: dict[str, int]                           # sandbox ("*" past the cap) -> untracked queries
-    denied: dict[str, DeniedCounts] = field(default_factory=dict)   # sandbox ("*" past the cap)
+    denied: dict[tuple[str, str], CountedRefusals] = field(default_factory=dict)   # source with counted refusals
 
     def __bool__(self) -> bool:
         return bool(self.names or self.limited or self.overflow or self.suppressed)
 
     @property
-    def suppressed(self) -> dict[str, DeniedCounts]:
-        """Sandboxes with refusals that were only counted (one record each)."""
-        return {sb: c for sb, c in self.denied.items() if c.counted}
+    def suppressed(self) -> dict[tuple[str, str], CountedRefusals]:
+        """Sources (("sandbox", id), or egress.refusal_budget.OTHER_SOURCE past the cap) with
+        refusals that were only counted (one record each)."""
+        return self.denied
 
 
 class AnswerAggregator:
@@ -143,7 +136,8 @@ class AnswerAggregator:
         self._names: dict[tuple[str, str], NameCounts] = {}
         self._limited: dict[tuple[str, str], LimitedCounts] = {}
         self._overflow: dict[str, int] = {}
-        self._denied: dict[str, DeniedCounts] = {}
+        self._refusals = RefusalBudget(MAX_DENIALS_PER_INTERVAL, max_sources=MAX_OVERFLOW_SANDBOXES,
+                                       max_keys=MAX_QTYPES_PER_NAME)
 
     def _room(self) -> bool:
         return len(self._names) + len(self._limited) < self.max_keys
@@ -185,22 +179,11 @@ class AnswerAggregator:
     def denied(self, sandbox: str, name: str, reason: str) -> bool:
         """One refusal; True while the sandbox has had fewer than MAX_DENIALS_PER_INTERVAL this
         interval (the caller writes it at once), else it is only counted."""
-        if sandbox not in self._denied and len(self._denied) >= MAX_OVERFLOW_SANDBOXES:
-            sandbox = "*"
-        c = self._denied.setdefault(sandbox, DeniedCounts())
-        if c.written < MAX_DENIALS_PER_INTERVAL and sandbox != "*":
-            c.written += 1
-            return True
-        if not c.counted:
-            c.first_name = name
-        c.counted += 1
-        if reason in c.reasons or len(c.reasons) < MAX_QTYPES_PER_NAME:
-            c.reasons[reason] = c.reasons.get(reason, 0) + 1
-        return False
+        return self._refusals.admit(("sandbox", sandbox), reason, name)
 
     def drain(self) -> Interval:
         """Everything counted since the last drain; the counters start again from zero."""
-        out = Interval(self._names, self._limited, self._overflow, self._denied)
+        out = Interval(self._names, self._limited, self._overflow, self._refusals.drain())
         self._reset()
         return out
 

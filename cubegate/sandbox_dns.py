@@ -190,11 +190,11 @@ class SandboxDns:
                                    reason="dns_name_rate_limited",
                                    extra={**base, "refused": c.refused, "first_name": c.first_name,
                                           "limit_per_minute": self.limiter.limit}))
-        for sandbox, c in it.suppressed.items():
-            out.append(make_record("dns", sandbox=None if sandbox == "*" else sandbox, host=c.first_name,
+        for (kind, sandbox), c in it.suppressed.items():
+            out.append(make_record("dns", sandbox=sandbox if kind == "sandbox" else None,
                                    decision="deny", reason="dns_denials_counted",
                                    extra={**base, "refused": c.counted, "written": c.written,
-                                          "reasons": c.reasons_text(), "max_written": MAX_DENIALS_PER_INTERVAL}))
+                                          "counts": c.counts_text(), "max_written": MAX_DENIALS_PER_INTERVAL}))
         for sandbox, n in it.overflow.items():
             out.append(make_record("dns", sandbox=None if sandbox == "*" else sandbox,
                                    reason="dns_audit_overflow",

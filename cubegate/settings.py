@@ -191,6 +191,10 @@ class AuditSettings(_Section):
     max_bytes: _count(4 * KiB, 1024 * GiB) = 64 * MiB
     keep_files: _count(1, 100_000) = 20
     retention_days: _count(1, 36_500) | None = None
+    # refused connections/requests written one by one per sandbox (or unidentified client address)
+    # and interval; the rest counted into one refusals_counted record per interval (egress.refusal_budget)
+    refusals_written_per_interval: _count(0, 1_000_000) = 200
+    refusal_interval_seconds: _seconds(le=3600) = 60.0
 
 
 class VaultSettings(_Section):

@@ -29,6 +29,7 @@ class ConnState:
     tunnel: bool = False             # an allowed CONNECT (or transparent TLS) fixed the destination
     kind: str = "pending"            # passthrough | intercept | http | denied | tcp
     denied_reason: str | None = None
+    refusal_counted: bool = False    # its refusal went into a summary record (egress.refusal_budget), not its own
     upstream: str | None = None
     bytes_out: int = 0               # sandbox → upstream
     bytes_in: int = 0                # upstream → sandbox

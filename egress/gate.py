@@ -35,6 +35,8 @@ from egress.conn_state import ConnectionClaims, ConnState
 from egress.destination import AGENT_HOST, decide_destination, needs_interception
 from egress.identity import Identity, IdentityStore
 from egress import records
+from egress.audit.record import now_ts
+from egress.refusal_budget import DEFAULT_REFUSALS_PER_INTERVAL, RefusalBudget
 from egress.metrics import GatewayMetrics
 from egress.policy import Decision, RequestInfo, normalize_host
 from egress.revocation import Closer, OpenConnection, Predicate, Registered, denied_by
@@ -145,6 +147,7 @@ class PolicyGate:
         max_connections_per_sandbox: int | None = None,
         body_limits: BodyLimits | None = None,
         agent_endpoint: "AgentEndpoint | None" = None,
+        refusal_budget: RefusalBudget | None = None,
     ):
         self.policies = policies
         self.identities = identities
@@ -169,6 +172,9 @@ class PolicyGate:
         self._upstream_tokens: dict[str, "_UpstreamClaim"] = {}   # upstream connection id -> its claim
         self.agent_endpoint = agent_endpoint   # serves cubegate.internal (None: the name is refused like any other)
         self.registered = Registered()   # other data paths' connections (revoke_where closes them too)
+        # refusals written one by one per source and interval; the rest counted (flush_refusals)
+        self.refusal_budget = refusal_budget or RefusalBudget(DEFAULT_REFUSALS_PER_INTERVAL)
+        self._refusals_since = now_ts()
 
     # ------------------------------------------------------------- revocation
     def register_connection(self, conn: OpenConnection, close: Closer) -> None:
@@ -329,6 +335,19 @@ class PolicyGate:
     def _audit(self, event: str, st: ConnState | None, **fields: Any) -> bool:
         return records.append(self.audit, self.metrics, records.audit_record(event, st, **fields))
 
+    def _audit_refusal(self, event: str, st: ConnState | None, **fields: Any) -> bool:
+        """A refusal's record, within its source's budget (egress.refusal_budget)."""
+        return records.append_refusal(self.audit, self.metrics, self.refusal_budget, st,
+                                      records.audit_record(event, st, **fields))
+
+    def flush_refusals(self, interval_s: float) -> int:
+        """The interval's end (and drain): one refusals_counted record per source past its budget;
+        the number of records written. Not writable: logged and counted (the refusals happened)."""
+        since, self._refusals_since = self._refusals_since, now_ts()
+        recs = records.refusal_summaries(self.refusal_budget.drain(), since=since, interval_s=interval_s,
+                                         per_interval=self.refusal_budget.per_interval)
+        return sum(records.append(self.audit, self.metrics, r) for r in recs)
+
     _decision_fields = staticmethod(records.decision_fields)
 
     def _count(self, st: ConnState, action: str, reason: str, stage: str) -> None:
@@ -341,7 +360,7 @@ class PolicyGate:
         """The one way a connection or request is refused: state, audit record, metric, then
         either a response on `flow` (explicit proxy) or the client connection reset."""
         st.kind, st.denied_reason = "denied", reason
-        self._audit("decision", st, decision="deny", reason=reason, status=status, **fields)
+        self._audit_refusal("decision", st, decision="deny", reason=reason, status=status, **fields)
         self._count(st, "deny", reason, stage)
         if flow is not None:
             flow.response = self._deny_response(status or 403, reason, detail or reason)
@@ -354,7 +373,7 @@ class PolicyGate:
         .error is set before any byte is read."""
         st.identity = identity or st.identity
         st.kind, st.denied_reason = "denied", reason
-        self._audit("decision", st, decision="deny", reason=reason)
+        self._audit_refusal("decision", st, decision="deny", reason=reason)
         self._count(st, "deny", reason, "connect")
         client.error = reason
 
@@ -454,7 +473,7 @@ class PolicyGate:
             ident = self.sandbox_lookup.lookup_by_ip(client.peername[0]) if self.sandbox_lookup else None
             if ident is None:
                 st.kind, st.denied_reason = "denied", "unknown_source"
-                self._audit("decision", st, decision="deny", reason="unknown_source")
+                self._audit_refusal("decision", st, decision="deny", reason="unknown_source")
                 self._count(st, "deny", "unknown_source", "connect")
                 client.error = "unknown source address"
                 return
@@ -503,6 +522,8 @@ class PolicyGate:
         self.metrics.bytes.labels(sandbox, "out").inc(st.bytes_out)
         self.metrics.bytes.labels(sandbox, "in").inc(st.bytes_in)
         self.metrics.connection_duration.labels(st.kind).observe(duration)
+        if st.refusal_counted and not st.tunnel and st.requests <= 1:
+            return               # refused at its first decision and counted: its closed record is that count
         self._audit("connection_closed", st, **records.closed_fields(st, duration))
 
     # ---------------------------------------------------------------- CONNECT
@@ -517,8 +538,8 @@ class PolicyGate:
         if st.identity is None:
             reason = "proxy_auth_missing" if "Proxy-Authorization" not in flow.request.headers else "proxy_auth_invalid"
             st.kind, st.denied_reason = "denied", reason
-            self._audit("decision", st, decision="deny", reason=reason, method="CONNECT",
-                        status=407, extra={"target": f"{flow.request.host}:{flow.request.port}"})
+            self._audit_refusal("decision", st, decision="deny", reason=reason, method="CONNECT",
+                                status=407, extra={"target": f"{flow.request.host}:{flow.request.port}"})
             self._count(st, "deny", reason, "connect")
             flow.response = self._deny_response(407, reason, "send Proxy-Authorization: Basic base64(sandbox_id:token)")
             flow.response.headers["Proxy-Authenticate"] = 'Basic realm="cubegate"'
@@ -537,7 +558,7 @@ class PolicyGate:
             st.kind, st.denied_reason = "denied", refusal.reason
             fields = self._decision_fields(decision) if decision else {}
             fields.update(decision="deny", reason=refusal.reason, status=refusal.status)
-            self._audit("decision", st, method="CONNECT", **fields)
+            self._audit_refusal("decision", st, method="CONNECT", **fields)
             self._count(st, "deny", refusal.reason, "connect")
             flow.response = self._deny_response(refusal.status, refusal.reason, refusal.detail, st=st,
                                                 decision=decision)
@@ -571,7 +592,7 @@ class PolicyGate:
             reason = "plaintext_on_tls_port"
         if reason:
             st.kind, st.denied_reason = "denied", reason
-            self._audit("decision", st, decision="deny", reason=reason)
+            self._audit_refusal("decision", st, decision="deny", reason=reason)
             self._count(st, "deny", reason, "protocol")
             self._kill_client(nextlayer.context.client)
         elif isinstance(layer, layers.TCPLayer) and st.kind == "pending":
@@ -617,7 +638,7 @@ class PolicyGate:
                 refusal = Refusal(403, "sni_mismatch", f"SNI {sni_host} differs from CONNECT host {st.host}")
         if refusal is not None:
             st.kind, st.denied_reason = "denied", refusal.reason
-            self._audit("decision", st, decision="deny", reason=refusal.reason, status=refusal.status)
+            self._audit_refusal("decision", st, decision="deny", reason=refusal.reason, status=refusal.status)
             self._count(st, "deny", refusal.reason, "sni")
             self._kill_client(client)
             return
@@ -628,7 +649,7 @@ class PolicyGate:
                 scheme="https", is_ip_literal=st.ip_literal))
             if d.action != "allow":
                 st.kind, st.denied_reason = "denied", d.reason
-                self._audit("decision", st, **self._decision_fields(d))
+                self._audit_refusal("decision", st, **self._decision_fields(d))
                 self._count(st, "deny", d.reason, "sni")
                 self._kill_client(client)
                 return
@@ -731,7 +752,8 @@ class PolicyGate:
         fields_d = self._decision_fields(decision) if decision else {}
         if refusal is not None:
             fields_d.update(decision="deny", reason=refusal.reason)
-        ok = self._audit("request", st, scheme=scheme, method=flow.request.method, path=_path_only(flow.request.path),
+        audit = self._audit_refusal if refusal is not None else self._audit   # allowed requests: never counted
+        ok = audit("request", st, scheme=scheme, method=flow.request.method, path=_path_only(flow.request.path),
                          status=refusal.status if refusal else None, extra=injected, **fields_d)
         if not ok and refusal is None:
             refusal = Refusal(503, "audit_unavailable", "audit log not writable")

@@ -65,6 +65,11 @@ class GatewayMetrics:
         self.audit_errors = Counter(
             "cubegate_audit_write_errors_total", "Audit appends that failed (flow refused)", registry=r
         )
+        self.audit_refusals_counted = Counter(
+            "cubegate_audit_refusals_counted_total",
+            "Refusals past a source's per-interval budget: counted into a refusals_counted record, not written one by one",
+            registry=r,
+        )
         self.fast_path = Counter(
             "cubegate_fast_path_connections_total",
             "Connections the fast path finished itself (relayed, refused) or handed to mitmproxy", ["outcome"],

@@ -64,6 +64,8 @@ _ALL = (
     Reason("internal_error", "gateway", "deny", (502, 503),
            "a bug or an unplanned failure in the gate's hooks or the fast path: refused (503 for a request, "
            "502 for a response, else reset; fail closed)"),
+    Reason("refusals_counted", "gateway", "deny", (),
+           "refusals past a source's per-interval budget, counted by reason and host in one record"),
     Reason("audit_unavailable", "gateway", "deny", (503,), "the audit log cannot be written (fail closed)"),
     Reason("policy_revoked", "gateway", "deny", (), "an open connection the policy now denies was closed"),
     Reason("header_timeout", "gateway", "deny", (), "the request head or ClientHello did not arrive in time"),
@@ -158,6 +160,8 @@ _ALL = (
     Reason("dns_name_rate_limited", "dns", "deny", (),
            "NXDOMAIN: too many new names under one wildcard per minute"),
     Reason("dns_limiter_full", "dns", "deny", (), "NXDOMAIN: the new-name limiter's table is full"),
+    Reason("dns_denials_counted", "dns", "deny", (),
+           "refusals past a sandbox's per-interval share, counted in one record"),
     Reason("dns_audit_overflow", "dns", "deny", (), "queries beyond the aggregated names cap, counted in one record"),
 
     # ---- switch: L3/L4 verdicts of cubevs/bpf/switch.c (enum reason) and the nftables backend

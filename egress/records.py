@@ -78,6 +78,41 @@ def deny_headers(reason: str) -> dict[str, str]:
     return {"Content-Type": "application/json", "X-Cubegate-Reason": reason, "Connection": "close"}
 
 
+def refusal_source(rec: dict[str, Any]) -> tuple[str, str]:
+    """Whose refusal-budget a refusal record spends: its sandbox's, else (not identified yet:
+    407, unknown source) its client address's."""
+    if rec.get("sandbox"):
+        return ("sandbox", rec["sandbox"])
+    return ("client", (rec.get("client") or "").rpartition(":")[0] or "-")
+
+
+def append_refusal(audit, metrics, budget, st: ConnState | None, rec: dict[str, Any]) -> bool:
+    """A refusal's record: written when its source's budget allows (False if that failed), else
+    counted into the interval's summary (st.refusal_counted: its connection_closed is skipped too)."""
+    if budget.admit(refusal_source(rec), rec.get("reason"), rec.get("host")):
+        return append(audit, metrics, rec)
+    metrics.audit_refusals_counted.inc()
+    if st is not None:
+        st.refusal_counted = True
+    return True
+
+
+def refusal_summaries(counted: dict, *, since: str, interval_s: float, per_interval: int) -> list[dict[str, Any]]:
+    """One `refusals_counted` record per source whose refusals past the budget were only counted."""
+    out = []
+    for (kind, value), c in counted.items():
+        rec: dict[str, Any] = {"id": new_id(), "ts": now_ts(), "event": "decision", "decision": "deny",
+                               "reason": "refusals_counted"}
+        if kind == "sandbox":
+            rec["sandbox"] = value
+        elif kind == "client":
+            rec["client"] = value
+        rec["extra"] = {"refused": c.counted, "written": c.written, "max_written": per_interval,
+                        "counts": c.counts_text(), "since": since, "interval_s": interval_s}
+        out.append(rec)
+    return out
+
+
 def append(audit, metrics, rec: dict[str, Any]) -> bool:
     """Append one record; False (counted, logged) when the log cannot take it: the caller refuses."""
     try:

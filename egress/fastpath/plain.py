@@ -946,8 +946,10 @@ class PlainConn(asyncio.Protocol):
         if audited:
             fields = records.decision_fields(decision) if decision else {}
             fields.update(decision="deny", reason=refusal.reason)
-            self.fp._audit("request", st, scheme="http", method=method,
-                           path=_path_only(path_s) if path_s is not None else None, status=refusal.status, **fields)
+            # at the head (nothing of this request written yet): within the budget; later stages one by one
+            audit = self.fp._audit_refusal if stage == "request" else self.fp._audit
+            audit("request", st, scheme="http", method=method,
+                  path=_path_only(path_s) if path_s is not None else None, status=refusal.status, **fields)
         self.fp._count(st, "deny", refusal.reason, stage)
 
     def _deny(self, refusal: Refusal, decision, *, method, path, stage: str = "request", audited: bool = True) -> None:

@@ -128,6 +128,11 @@ class FastPath:
     def _audit(self, event: str, st: ConnState, **fields) -> bool:
         return records.append(self.gate.audit, self.gate.metrics, records.audit_record(event, st, **fields))
 
+    def _audit_refusal(self, event: str, st: ConnState, **fields) -> bool:
+        """A refusal's record, within its source's budget (the gate's: one per worker, both paths)."""
+        return records.append_refusal(self.gate.audit, self.gate.metrics, self.gate.refusal_budget, st,
+                                      records.audit_record(event, st, **fields))
+
     def _count(self, st: ConnState, action: str, reason: str, stage: str) -> None:
         self._decision_count(st.sandbox, action, reason, stage).inc()
 
@@ -137,8 +142,10 @@ class FastPath:
         st = c.st
         st.kind, st.denied_reason = "denied", reason
         fields.update(decision="deny", reason=reason, status=status)
-        if c.finished_deciding or c.per_request:   # records were written: connection_closed follows
+        if c.finished_deciding:          # its allow was written: this refusal and connection_closed follow
             self._audit("decision", st, **fields)
+        elif c.per_request:              # plain HTTP: connection_closed follows (skipped if this is counted)
+            self._audit_refusal("decision", st, **fields)
         else:
             self._audit_refused_connection(c, fields)
         self._count(st, "deny", reason, stage)
@@ -154,7 +161,7 @@ class FastPath:
         closed = records.closed_fields(st, time.monotonic() - st.started)
         closed["extra"].update(fields.pop("extra", None) or {}, closed=True)
         del closed["decision"], closed["reason"]          # the refusal's own, in `fields`
-        c.closed_audited = self._audit("decision", st, **closed, **fields)
+        c.closed_audited = self._audit_refusal("decision", st, **closed, **fields)
 
     def internal_error(self, c: "_Conn", e: Exception) -> None:
         """Fail closed on our own bug (here or in plain.py): audited and counted as internal_error,
@@ -235,6 +242,8 @@ class FastPath:
         if st.bytes_in:
             self._bytes(st.sandbox, "in").inc(st.bytes_in)
         self._duration(st.kind).observe(duration)
+        if st.refusal_counted and not st.tunnel and st.requests <= 1:
+            return                       # refused at its first decision and counted: its closed record is that count
         if not c.closed_audited:         # else its refusal's decision record was the closed record too
             self._audit("connection_closed", st, **records.closed_fields(st, duration))
 

@@ -14,6 +14,10 @@ the query). Expected records per connection:
   inject        1, allow             1 per path, names secret 1 (kind intercept)
   plain         0                    1 per path sent          1 (kind http)
 
+A denied connection past its sandbox's refusal budget (egress/refusal_budget.py) has no record
+of its own: it is counted in a `refusals_counted` record of its sandbox instead, and per sandbox
+the counts add up exactly to the denied connections without records.
+
 Both ways: every expectation above is met by exactly that many records, and
 every audit record (but `admin` ones) belongs to a client connection. A
 connection that ended in an error (e.g. cut by a restart) may lack the records
@@ -39,7 +43,11 @@ def check(conns: list[dict], records: list[dict], *, inject_secret_id: str | Non
     problems: list[str] = []
     by_ip: dict[str, list[dict]] = defaultdict(list)
     ignored = defaultdict(int)
+    counted: dict[str | None, int] = defaultdict(int)        # sandbox -> refusals counted in summaries
     for r in records:
+        if r.get("reason") == "refusals_counted":
+            counted[r.get("sandbox")] += (r.get("extra") or {}).get("refused", 0)
+            continue
         if r.get("event") not in ACCOUNTED_EVENTS:
             ignored[r.get("event")] += 1
             continue
@@ -58,9 +66,13 @@ def check(conns: list[dict], records: list[dict], *, inject_secret_id: str | Non
 
     path_seen: dict[str, int] = defaultdict(int)
     n_expected = n_found = 0
+    uncounted: dict[str | None, int] = defaultdict(int)      # sandbox -> denied connections without records
     for ip, c in conn_by_ip.items():
         recs = by_ip.get(ip, [])
         kind, clean = c["kind"], c["error"] is None
+        if kind == "denied" and not recs and c.get("connect_status") == 403:
+            uncounted[c["sandbox"]] += 1                     # must be in its sandbox's refusals_counted
+            continue
         ev = defaultdict(list)
         for r in recs:
             ev[r["event"]].append(r)
@@ -118,10 +130,15 @@ def check(conns: list[dict], records: list[dict], *, inject_secret_id: str | Non
         closes_in_decision = any((r.get("extra") or {}).get("closed") for r in dec)
         n_expected += want_dec + len(sent if clean else acked) + (1 if accepted and not closes_in_decision else 0)
         n_found += len(recs)
+    for sb in set(counted) | set(uncounted):
+        if counted[sb] != uncounted[sb]:
+            problems.append(f"sandbox {sb}: {uncounted[sb]} denied connection(s) without records, "
+                            f"{counted[sb]} counted in refusals_counted records")
     dup = [p for p, n in path_seen.items() if n > 1]
     if dup:
         problems.append(f"{len(dup)} path(s) with more than one request record, e.g. {dup[0]}")
     summary = {"connections": len(conns), "records": sum(len(v) for v in by_ip.values()),
                "min_expected_records": n_expected, "ignored_events": dict(ignored),
-               "errored_connections": sum(1 for c in conns if c["error"])}
+               "errored_connections": sum(1 for c in conns if c["error"]),
+               "refusals_counted": sum(counted.values())}
     return problems, summary
