@@ -166,6 +166,7 @@ def test_transparent_kept_connection_is_decided_with_its_new_labels_on_the_next_
         out = netns.call_in_netns(net.netns, _hold_then, connect, "passthrough.allowed.test", str(lab.ca.bundle_path),
                                   relabel_then_narrow_team_b, window=6.0, timeout=40)
         assert out["closed"], out
-        revoked = [r for r in gw.audit_records() if r.get("sandbox") == "sb-rk" and r.get("reason") == "policy_revoked"]
+        revoked = [r for r in gw.audit_records() if r.get("sandbox") == "sb-rk" and r.get("reason") == "policy_revoked"
+                   and r.get("event") == "decision"]
         # one close, by the narrowing (team b's policy now denies it), none by the relabel itself
         assert len(revoked) == 1 and revoked[0]["extra"]["denied_by"] == "default_deny", revoked
