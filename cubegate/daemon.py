@@ -34,6 +34,7 @@ from egress.policy.repo import PolicyRepo
 
 import vault as vaultlib
 from cubegate.dataplane import build_guard, open_vault, vault_ready
+from cubegate.policy_thread import off_loop
 from cubegate.settings import Settings
 from cubegate.supervise import Supervisor
 
@@ -50,6 +51,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self.supervisor = Supervisor()   # every long-running task: a dead one turns /readyz 503
         self._uninstall_resolver = None
+        self._reloads: set[asyncio.Task] = set()   # SIGHUP reloads in progress
 
     # ------------------------------------------------------------------ start
     async def start(self) -> None:
@@ -223,8 +225,16 @@ class Daemon:
 
     def reload_policy(self) -> None:
         """SIGHUP: reload now, here and in every worker; an invalid file keeps the old policy in
-        force (PolicyStore logs why)."""
-        self._count_reload(self.policies.reload())
+        force (PolicyStore logs why). Parsed on the policy thread: the loop keeps answering."""
+        task = self._loop.create_task(self._reload_policy())
+        self._reloads.add(task)      # held until done (the loop keeps only a weak reference)
+        task.add_done_callback(self._reloads.discard)
+
+    async def _reload_policy(self) -> None:
+        try:
+            self._count_reload(await off_loop(self.policies.reload))
+        except Exception:   # the old policy stays in force
+            log.exception("policy reload failed")
         if self.workers is not None:
             self.workers.signal_all(signal.SIGHUP)
 
@@ -236,7 +246,7 @@ class Daemon:
         while True:
             await asyncio.sleep(interval)
             try:
-                self._count_reload(self.policies.check_for_changes(settle=True))
+                self._count_reload(await off_loop(self.policies.check_for_changes, settle=True))
             except Exception:  # keep watching; the old policy stays in force
                 log.exception("policy watch iteration failed")
 

@@ -21,28 +21,20 @@ in <state_dir>/policies.db and an `admin` audit record. Tokens: see admin_tokens
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import ipaddress
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpkit
 from httpkit import ApiError, AuditHook, JsonHandler, PathParam, operation
 
 from cubegate import policy_api_models as m
+from cubegate.policy_thread import off_loop   # bodies are parsed there, never on the loop
 from egress.policy import PolicyError, RequestInfo
 from egress.policy.hosts import parse_ip
 from egress.policy.live import LivePolicies, NotFound, Refused
 
 MAX_BODY = 1024 * 1024
-# Policy bodies are parsed here, one at a time, never on the daemon's event loop (which also
-# answers the other APIs, /readyz and the sandbox resolver): parsing takes seconds at the size limit.
-_PARSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="policy-parse")
-
-
-async def off_loop(fn, *args, **kw):
-    return await asyncio.get_running_loop().run_in_executor(_PARSER, lambda: fn(*args, **kw))
 _NAME = r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}"
 _WRITE = (403,)
 

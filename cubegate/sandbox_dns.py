@@ -22,7 +22,9 @@ names per minute; beyond it: NXDOMAIN, never forwarded upstream, reason
 "dns_name_rate_limited" (the first refusal per sandbox and wildcard in an
 interval at once, then one record per interval with the count). If a record
 cannot be written the answer is SERVFAIL (fail closed, like the gate); after a
-failed interval flush, allowed names get SERVFAIL until the records are written.
+failed interval flush, allowed names get SERVFAIL until the records are written;
+if the flusher itself dies (a bug), every query is SERVFAIL and serve() raises (the
+daemon's supervisor turns /readyz 503; nothing restarts a task that died on a bug).
 
 The sandbox never talks to an upstream DNS server itself: names it cannot
 resolve here it cannot exfiltrate data through. What remains open (an allowed
@@ -93,6 +95,7 @@ class SandboxDns:
         self._transport: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.AbstractServer | None = None
         self._flusher: asyncio.Task | None = None
+        self._audit_dead: str | None = None   # why the flusher stopped; set: every query is SERVFAIL
         self._pending: set[asyncio.Task] = set()
         self._udp_inflight: collections.Counter[str] = collections.Counter()
         self._tcp_open: collections.Counter[str] = collections.Counter()
@@ -106,11 +109,23 @@ class SandboxDns:
             lambda: _UdpProtocol(self), local_addr=(host, port))
         self._tcp = await asyncio.start_server(self._tcp_client, host, port)
         self._flusher = loop.create_task(self._flush_loop(), name="dns-audit-flush")
+        self._flusher.add_done_callback(self._flusher_ended)
         log.info("sandbox DNS on %s:%s (udp+tcp)", host, port)
 
     async def serve(self) -> None:
         """Runs while the resolver serves (the daemon supervises it); raises when its UDP socket is lost."""
         await self._lost
+
+    def _flusher_ended(self, task: asyncio.Task) -> None:
+        """The audit flusher stopped (a bug while building records): serve() raises, so the daemon's
+        supervisor names it on /readyz, and every query is SERVFAIL from now on (fail closed:
+        an allowed answer that cannot be audited is not given)."""
+        if task.cancelled() and self._flusher is None:
+            return                                   # stop() ended it
+        exc = None if task.cancelled() else task.exception()
+        self._audit_dead = f"{type(exc).__name__}: {exc}" if exc is not None else "stopped"
+        log.error("sandbox DNS: audit flusher died (%s), answering SERVFAIL", self._audit_dead)
+        self._socket_lost(RuntimeError(f"sandbox DNS audit flusher died: {self._audit_dead}"))
 
     def _socket_lost(self, exc: Exception | None) -> None:
         if self._lost is not None and not self._lost.done():
@@ -129,10 +144,13 @@ class SandboxDns:
             t.cancel()
         await asyncio.gather(*self._pending, return_exceptions=True)
         if self._flusher is not None:
-            self._flusher.cancel()
-            await asyncio.gather(self._flusher, return_exceptions=True)
-            self._flusher = None
-        await self.flush()   # the last interval's counters are written at shutdown too
+            flusher, self._flusher = self._flusher, None
+            flusher.cancel()
+            await asyncio.gather(flusher, return_exceptions=True)
+        try:
+            await self.flush()   # the last interval's counters are written at shutdown too
+        except Exception:        # noqa: BLE001 - the same bug that killed the flusher: stop anyway
+            log.exception("sandbox DNS: the last interval's audit records could not be built")
 
     # ------------------------------------------------------------- aggregated audit
     async def _flush_loop(self) -> None:
@@ -275,6 +293,10 @@ class SandboxDns:
             reply.header.rcode = RCODE.REFUSED
             return reply.pack()
         sandbox = ident.sandbox_id
+        if self._audit_dead is not None:   # nothing answered can be audited any more
+            self.metrics.queries.labels(sandbox, "audit_failed").inc()
+            reply.header.rcode = RCODE.SERVFAIL
+            return reply.pack()
         client = f"{client_ip}:{client_port}"
         qtype = QTYPE.get(q.qtype, str(q.qtype))
         if qname == AGENT_HOST and self.agent_addr is not None:

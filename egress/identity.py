@@ -7,7 +7,9 @@ constant-time comparison of the hashes. The table lives in SQLite so that
 
 Successful authentications are cached in memory (every CONNECT authenticates):
 the cache is dropped whenever the database changes, ours or another process's
-(SQLite's data_version), so a removed or re-keyed sandbox is refused at once.
+(SQLite's data_version), so a removed or re-keyed sandbox is refused at once. A hit runs
+no SQL: data_version is asked only when the WAL-index header (walmark) moved, or every
+time when that mark cannot be read.
 Failures are never cached (a sandbox cannot fill memory with wrong tokens).
 """
 from __future__ import annotations
@@ -25,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
+
+from walmark import WalChangeMark
 
 from egress.sqlite_db import open_db
 
@@ -78,9 +82,13 @@ class IdentityStore:
         self._cache: dict[tuple[str, str], Identity] = {}
         self._cache_version: int | None = None
         self._writes = 0
+        self._wal_mark = WalChangeMark(self.path)   # valid while self._db stays open
+        self._cache_mark: bytes | None = None       # the wal mark when _cache_version was read
 
     def close(self) -> None:
-        self._db.close()
+        with self._lock:
+            self._wal_mark.close()
+            self._db.close()
 
     @staticmethod
     def _check_labels(labels: Mapping[str, str]) -> dict[str, str]:
@@ -147,10 +155,13 @@ class IdentityStore:
 
     def _cached(self, key: tuple[str, str]) -> Identity | None:
         """Caller holds the lock. data_version changes when another connection commits."""
-        version = self._db.execute("PRAGMA data_version").fetchone()[0]
-        if version != self._cache_version:
-            self._cache.clear()
-            self._cache_version = version
+        mark = self._wal_mark.read()     # read before data_version: a commit in between
+        if mark is None or mark != self._cache_mark:   # makes the next mark differ, never missed
+            version = self._db.execute("PRAGMA data_version").fetchone()[0]
+            if version != self._cache_version:
+                self._cache.clear()
+                self._cache_version = version
+            self._cache_mark = mark
         return self._cache.get(key)
 
     def authenticate(self, sandbox_id: str, token: str) -> Identity | None:

@@ -26,7 +26,7 @@ from tests.ports import free_ports
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = ["pyproject.toml", "README.md", "httpkit", "egress", "vault", "cubevs", "sandbox_runtime", "cubegate", "testbed"]
+SOURCES = ["pyproject.toml", "README.md", "httpkit", "walmark", "egress", "vault", "cubevs", "sandbox_runtime", "cubegate", "testbed"]
 
 
 def _run(argv, **kw):

@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Any, Iterator
 
+from walmark import WalChangeMark   # a leaf, like httpkit: imports nothing of ours
+
 from .errors import VaultCorrupt, VaultNotFound
 
 SCHEMA_VERSION = 1
@@ -45,7 +47,7 @@ class Store:
         self.path = path
         self._conn = conn
         self._lock = threading.RLock()
-        self._shm_fd: int | None = None
+        self._wal_mark = WalChangeMark(path)   # our connection, open for the Store's life, keeps it valid
 
     # -- opening -----------------------------------------------------------
     @classmethod
@@ -107,9 +109,7 @@ class Store:
 
     def close(self) -> None:
         with self._lock:
-            if self._shm_fd is not None:
-                os.close(self._shm_fd)
-                self._shm_fd = None
+            self._wal_mark.close()
             self._conn.close()
 
     # -- transactions --------------------------------------------------------
@@ -146,32 +146,11 @@ class Store:
         with self._lock:
             return self._conn.execute("SELECT v FROM meta WHERE k = 'generation'").fetchone()[0]
 
-    # The WAL-index header: the first 96 bytes of the -shm file (two copies of a 48-byte header,
-    # https://www.sqlite.org/walformat.html). Every commit, by any connection of any process,
-    # rewrites it (the last frame, its checksum, the salts when the WAL restarts): the same
-    # bytes mean nothing was committed since. Our own connection, open for the Store's life,
-    # keeps the file from being truncated or replaced (SQLite does that only for the first
-    # or last connection to the database).
-    _WAL_INDEX_HEADER = 96
-
     def change_mark(self) -> bytes | None:
-        """Bytes that differ after every commit to the store; None when they cannot be read
-        (the caller then asks the generation counter)."""
+        """Bytes that differ after every commit to the store, by any process (walmark); None when
+        they cannot be read (the caller then asks the generation counter)."""
         with self._lock:
-            if self._shm_fd is None:
-                try:
-                    self._shm_fd = os.open(self.path + "-shm", os.O_RDONLY | os.O_CLOEXEC)
-                except OSError:
-                    return None
-            try:
-                if os.fstat(self._shm_fd).st_nlink == 0:   # unlinked after all: the live one is another file
-                    os.close(self._shm_fd)
-                    self._shm_fd = None
-                    return None
-                mark = os.pread(self._shm_fd, self._WAL_INDEX_HEADER, 0)
-            except OSError:
-                return None
-            return mark if len(mark) == self._WAL_INDEX_HEADER else None
+            return self._wal_mark.read()
 
     def meta(self, key: str) -> Any:
         rows = self.query("SELECT v FROM meta WHERE k = ?", (key,))

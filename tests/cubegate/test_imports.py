@@ -13,9 +13,11 @@ REPO = Path(__file__).resolve().parents[2]
 CLI_MODULES = ["cubegate.cli", "cubegate.sandbox_cli", "cubegate.cli_context", "vault.cli", "egress.audit.cli"]
 # package -> packages of ours it may import (vault: egress only through `import vault` / `from vault import`)
 # (httpkit: the shared HTTP kit, importable by every package that serves HTTP; checked by its own tests)
-ALLOWED = {"httpkit": set(), "vault": {"httpkit"}, "cubevs": set(), "egress": {"vault", "httpkit"}, "sandbox_runtime": {"cubevs"},
-           "cubegate": {"vault", "cubevs", "egress", "sandbox_runtime", "cubegate", "testbed", "httpkit"}}
-OURS = set(ALLOWED) | {"testbed", "httpkit"}
+# (walmark: the SQLite change mark, a leaf every package with a shared SQLite file may use)
+ALLOWED = {"httpkit": set(), "walmark": set(), "vault": {"httpkit", "walmark"}, "cubevs": set(),
+           "egress": {"vault", "httpkit", "walmark"}, "sandbox_runtime": {"cubevs"},
+           "cubegate": {"vault", "cubevs", "egress", "sandbox_runtime", "cubegate", "testbed", "httpkit", "walmark"}}
+OURS = set(ALLOWED) | {"testbed", "httpkit", "walmark"}
 
 
 @pytest.mark.parametrize("module", CLI_MODULES)

@@ -189,6 +189,28 @@ def test_stop_writes_the_last_interval(tmp_path):
         ("api.x.test", "dns_allowed", 3, "MX=3")
 
 
+def test_a_dead_audit_flusher_fails_closed(tmp_path):
+    """A bug while building the interval's records kills the flusher: serve() raises (the daemon's
+    supervisor names the task on /readyz) and no query is answered any more, allowed or not."""
+    def broken(interval, since):
+        raise RuntimeError("injected: building records failed")
+
+    async def go():
+        srv, audit = _dns(tmp_path, audit_interval=0.05)
+        await srv.start("127.0.0.1", 0)
+        serving = asyncio.ensure_future(srv.serve())
+        assert _rcode(await srv.handle(_query("api.x.test"), "10.0.0.2", 5353)) == RCODE.NOERROR
+        srv._interval_records = broken
+        with pytest.raises(RuntimeError, match="audit flusher died.*injected"):
+            await asyncio.wait_for(serving, timeout=10)
+        for name in ("api.x.test", "d1.x.test", "denied.test"):
+            assert _rcode(await srv.handle(_query(name), "10.0.0.2", 5353)) == RCODE.SERVFAIL, name
+        await srv.stop()     # still stops cleanly
+        audit.close()
+    asyncio.run(go())
+    assert [r["host"] for r in _records(tmp_path) if r["reason"] == "dns_allowed"] == []
+
+
 def _records(tmp_path) -> list[dict]:
     import json
     out = []

@@ -69,3 +69,15 @@ def test_an_unlinked_wal_index_file_gives_no_mark(bound_vault, vault_path):
     assert store.change_mark() is not None
     os.unlink(str(vault_path) + "-shm")
     assert store.change_mark() is None
+
+
+def test_the_fast_paths_per_request_vault_calls_run_no_sql_when_warm(bound_vault):
+    """What a plain-HTTP request to an unbound host asks (egress/credentials.py): interception,
+    the header leak check and the body's needles: SQL only on the first request."""
+    def one_request():
+        assert not bound_vault.needs_interception("acme", "example.com", 80)
+        assert bound_vault.find_leaks("acme", "sb-1", b"GET /x HTTP/1.1\r\nHost: example.com\r\n") == []
+        assert bound_vault.leak_needles("acme", "sb-1", exclude=None).find(b"nothing here") == set()
+
+    assert _statements(bound_vault, one_request) != []     # cold: the store is read
+    assert _statements(bound_vault, lambda: [one_request() for _ in range(5)]) == []
