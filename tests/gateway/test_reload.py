@@ -35,6 +35,20 @@ def _eventually(fn, timeout=5.0):
     return False
 
 
+def _metric(gw, pattern: str) -> float:
+    import re
+    m = re.search(pattern + r" ([0-9.e+]+)", gw.ops_status("/metrics")[1])
+    return float(m.group(1)) if m else 0.0
+
+
+def _ok_reloads(gw) -> float:
+    return _metric(gw, r'cubegate_policy_reloads_total\{result="ok"\}')
+
+
+def _workers(gw) -> int:
+    return int(_metric(gw, r"cubegate_workers_ready"))
+
+
 @pytest.fixture
 def rgw(lab, tmp_path):
     gw = Gateway(lab, tmp_path, {"p.yaml": BASE}, settings_extra={"policy_poll_seconds": 60})
@@ -61,9 +75,13 @@ def test_readyz_is_never_200_before_the_gateway_is_up(rgw):
 def test_sighup_reload_broken_file_keeps_old_policy(rgw):
     rgw.start()
     assert rgw.curl("https://x.github.test/").connect_status == 403
+    assert _workers(rgw) >= 1 and _ok_reloads(rgw) == 0
     (rgw.policy_dir / "p.yaml").write_text(WITH_GITHUB)
     rgw.proc.send_signal(signal.SIGHUP)
-    assert _eventually(lambda: rgw.curl("https://x.github.test/").status == 200)
+    # every process has reloaded it (the daemon and each worker count their reloads): one
+    # worker's 200 alone would let a slower one read the broken file below as its first reload
+    assert _eventually(lambda: _ok_reloads(rgw) >= 1 + _workers(rgw)), rgw.ops_status("/metrics")[1][-3000:]
+    assert rgw.curl("https://x.github.test/").status == 200
 
     # Broken file: the old policy stays in force, the reason is visible.
     (rgw.policy_dir / "p.yaml").write_text(WITH_GITHUB + "  - name: [unclosed\n")
