@@ -131,7 +131,8 @@ def test_traffic_goes_through_the_gateway_with_the_tenants_policy_and_credential
                       "-w", "%{http_code}", target)
             assert r.returncode != 0 and r.stdout in ("", "000"), (target, r)
         # Direct egress that bypasses the gateway is dropped by the switch.
-        r = sexec(lab, gw, "sb-net", "curl", "-s", "--connect-timeout", "1", "--max-time", "3", "http://198.18.0.10:8443/")
+        r = sexec(lab, gw, "sb-net", "curl", "-s", "--connect-timeout", "1", "--max-time", "3",
+                  "http://198.18.0.10:8443/")
         assert r.returncode != 0
     finally:
         cli(lab, gw, "rm", "sb-net", check=False)
