@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-import httpx
+
+if TYPE_CHECKING:
+    import httpx
 
 MAX_ERROR_TEXT = 500
 
@@ -28,6 +31,8 @@ class LocalApi:
     def request(self, method: str, path: str, **kw) -> httpx.Response:
         """The response (status < 400); else a ClickException with the API's message and each
         problem's JSON pointer. Environment proxies are never used: the API is on loopback."""
+        import httpx   # here, not at the top: `cubegate --help` and local commands never load it
+
         try:
             r = httpx.request(method, self.base + path, headers=self.headers, timeout=self.timeout,
                               trust_env=False, **kw)

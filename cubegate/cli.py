@@ -1,9 +1,14 @@
-"""`cubegate ...`: the command line. Each subcommand is a thin edge over a module."""
+"""`cubegate ...`: the command line. Each subcommand is a thin edge over a module.
+
+Startup cost matters (tests and scripts run it hundreds of times): a command imports what
+it needs inside its function, and the groups that live in other modules are imported only
+when invoked (`cubegate --help` and `cubegate identity ...` load no vault, httpx or pydantic
+they do not use; tests/cubegate/test_cli_startup.py pins it).
+"""
 from __future__ import annotations
 
-import asyncio
+import importlib
 import json
-import logging
 import os
 import sys
 
@@ -11,12 +16,50 @@ import click
 
 from cubegate.cli_context import CliContext, cli_context
 
+# name -> (module:attribute of the click group, its one-line help for `cubegate --help`);
+# test_cli_startup checks each summary is the group's own.
+LAZY_GROUPS = {
+    "audit": ("egress.audit.cli:audit", "Query and follow the egress audit log."),
+    "sandbox": ("cubegate.sandbox_cli:sandbox_cli",
+                "Create, use and destroy sandboxes (needs the daemon with runtime.enabled)."),
+    "template": ("cubegate.template_cli:template_cli",
+                 "Build, list and remove sandbox templates (base, python, node, browser)."),
+    "vault": ("vault.cli:vault_cli", "Credential vault: secrets, bindings, tokens."),
+}
+
+
+def load_group(name: str) -> click.Command:
+    module, _, attr = LAZY_GROUPS[name][0].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+class _LazyTree(click.Group):
+    """Imports a LAZY_GROUPS group when it is invoked; lists it by its summary."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(LAZY_GROUPS))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in LAZY_GROUPS and name not in self.commands:
+            self.add_command(load_group(name), name)
+        return super().get_command(ctx, name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        shown = [n for n in self.list_commands(ctx) if n not in self.commands or not self.commands[n].hidden]
+        limit = formatter.width - 6 - max(map(len, shown))
+        with formatter.section("Commands"):
+            formatter.write_dl([(n, self._summary(n, limit)) for n in shown])
+
+    def _summary(self, name: str, limit: int) -> str:
+        cmd = self.commands.get(name) or click.Command(name, help=LAZY_GROUPS[name][1])
+        return cmd.get_short_help_str(limit)
+
 
 def _settings(ctx: click.Context):
     return cli_context(ctx).settings
 
 
-@click.group()
+@click.group(cls=_LazyTree)
 @click.option("--config", "-c", envvar="CUBEGATE_CONFIG", type=click.Path(dir_okay=False),
               help="Settings YAML (env CUBEGATE_CONFIG); CUBEGATE_<SECTION>__<KEY> variables override it.")
 @click.option("--state-dir", envvar="CUBEGATE_STATE_DIR", help="Override state_dir.")
@@ -31,6 +74,9 @@ def main(ctx: click.Context, config: str | None, state_dir: str | None) -> None:
 @click.pass_context
 def run(ctx: click.Context, log_level: str) -> None:
     """Run the gateway daemon in the foreground."""
+    import asyncio
+    import logging
+
     from cubegate.daemon import Daemon
     from egress.policy import PolicyError
 
@@ -241,18 +287,9 @@ def net_status(ctx, as_json) -> None:
         click.echo(f"  {sandbox or '-':<20} {verdict:<5} {reason:<20} {pk} packets {by} bytes")
 
 
-# -------------------------------------------------------------------- audit
+# ------------------------------------------------------ groups from other modules
 def _mount_groups() -> None:
-    """Groups from other modules; each gets the CliContext as its ctx.obj."""
-    from cubegate.sandbox_cli import sandbox_cli
-    from cubegate.template_cli import template_cli
-    from egress.audit.cli import audit
-    from vault.cli import vault_cli
-
-    main.add_command(audit, "audit")
-    main.add_command(sandbox_cli, "sandbox")
-    main.add_command(template_cli, "template")
-    main.add_command(vault_cli, "vault")
+    """Groups from other modules (besides LAZY_GROUPS); each gets the CliContext as its ctx.obj."""
     from cubegate.policy_cli import access_cli, add_policy_commands
     add_policy_commands(policy)
     main.add_command(access_cli, "access")

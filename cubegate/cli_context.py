@@ -10,10 +10,12 @@ modules (sandbox_cli) import it, not the command tree that mounts them.
 from __future__ import annotations
 
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import click
 
-from cubegate.settings import Settings, SettingsError, load_settings
+if TYPE_CHECKING:
+    from cubegate.settings import Settings
 
 
 class CliContext:
@@ -23,6 +25,8 @@ class CliContext:
 
     @cached_property
     def settings(self) -> Settings:
+        from cubegate.settings import SettingsError, load_settings   # pydantic: only for commands that need settings
+
         try:
             return load_settings(self.config, state_dir=self.state_dir)
         except SettingsError as e:
@@ -43,18 +47,21 @@ class CliContext:
 
     @property
     def host_policy_check(self):
-        """A binding's host must be one the policy could allow (checked when it is added)."""
-        from egress.credentials import host_policy_check_for
-        from egress.policy import PolicyError, load_policy_dir
-
+        """A binding's host must be one the policy could allow (checked when it is added; the
+        policy code is imported then, not by every vault command)."""
         policy_dir = self.settings.policy_dir
 
         def current():
+            from egress.policy import PolicyError, load_policy_dir
             try:
                 return load_policy_dir(policy_dir)
             except PolicyError as e:
                 raise click.ClickException(f"cannot check binding against policy: {e}")
-        return host_policy_check_for(current)
+
+        def check(tenant: str, host: str) -> str | None:
+            from egress.credentials import host_policy_check_for
+            return host_policy_check_for(current)(tenant, host)
+        return check
 
     def open_vault(self):
         """The vault, unsealed with the one key precedence (vault.keysource)."""

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import click
-import yaml
 
 from cubegate.api_client import LocalApi, echo_rows
 from cubegate.cli_context import cli_context
@@ -33,6 +32,8 @@ def add_policy_commands(policy: click.Group) -> None:
         """Create or replace a policy through the daemon (versioned, audited, in force at once)."""
         text = path.read()
         if name is None:
+            import yaml
+
             try:
                 doc = yaml.safe_load(text)
             except yaml.YAMLError:
@@ -63,6 +64,7 @@ def add_policy_commands(policy: click.Group) -> None:
         if doc.get("overrides_file"):
             src += f" (replaces {doc['overrides_file']})"
         click.echo(f"# {name}: {src}")
+        import yaml
         click.echo(yaml.safe_dump(doc["policy"], sort_keys=False), nl=False)
 
     @policy.command("ls")
@@ -141,6 +143,8 @@ def add_policy_commands(policy: click.Group) -> None:
     @click.pass_context
     def suggest(ctx, sandbox, label, since, name, min_siblings) -> None:
         """Learn mode: the smallest allow policy for what report mode recorded as would-deny (YAML)."""
+        import yaml
+
         from cubegate.suggest import suggest_policy, would_deny_records
         if bool(sandbox) == bool(label):
             raise click.UsageError("give exactly one of --sandbox or --label")

@@ -123,13 +123,16 @@ def test_traffic_goes_through_the_gateway_with_the_tenants_policy_and_credential
         assert auth == ["Bearer [REDACTED]"], r.stdout
         rec = gw.wait_record(lambda x: x["event"] == "request" and x.get("path") == "/rt-inject")
         assert rec["sandbox"] == "sb-net" and rec["extra"]["secret"] == "openai"
-        # The sandbox API (and anything else of the host) is unreachable from inside.
+        # The sandbox API (and anything else of the host) is unreachable from inside. A dropped
+        # SYN is only seen as a timeout; a reachable port answers it from the kernel at once,
+        # so 1 s to connect is plenty (and 3 s for an answer).
         for target in (f"http://{HUB_IP}:{API_PORT}/v1/sandboxes", f"http://127.0.0.1:{API_PORT}/v1/sandboxes"):
-            r = sexec(lab, gw, "sb-net", "curl", "-s", "--max-time", "3", "-o", "/dev/null", "-w", "%{http_code}",
-                      target)
+            r = sexec(lab, gw, "sb-net", "curl", "-s", "--connect-timeout", "1", "--max-time", "3", "-o", "/dev/null",
+                      "-w", "%{http_code}", target)
             assert r.returncode != 0 and r.stdout in ("", "000"), (target, r)
         # Direct egress that bypasses the gateway is dropped by the switch.
-        r = sexec(lab, gw, "sb-net", "curl", "-s", "--max-time", "3", "http://198.18.0.10:8443/")
+        r = sexec(lab, gw, "sb-net", "curl", "-s", "--connect-timeout", "1", "--max-time", "3",
+                  "http://198.18.0.10:8443/")
         assert r.returncode != 0
     finally:
         cli(lab, gw, "rm", "sb-net", check=False)
