@@ -124,7 +124,10 @@ class Hub:
             self.ipr.link("add", ifname=n.host_ifname, kind="veth",
                           peer={"ifname": "eth0", "address": mac,
                                 "net_ns_fd": netns.path(n.netns)})
-            idx = self.ipr.link_lookup(ifname=n.host_ifname)[0]
+            # one dump of the hub end gives both ifindexes: its own and (IFLA_LINK) eth0's in
+            # the sandbox netns, which then needs no lookup of its own (~0.5 ms per netlink call)
+            hub_end = self.ipr.get_links(ifname=n.host_ifname)[0]
+            idx, eth = hub_end["index"], hub_end.get("IFLA_LINK")
             _sysctls(self.ns, {
                 f"net.ipv4.conf.{n.host_ifname}.rp_filter": 1,
                 f"net.ipv4.conf.{n.host_ifname}.proxy_arp": 0,
@@ -133,15 +136,16 @@ class Hub:
                 f"net.ipv6.conf.{n.host_ifname}.disable_ipv6": 1,
             })
             self.ipr.addr("add", index=idx, address=gateway_ip, prefixlen=32)
-            self._pending[n.netns] = self._configure_sandbox(n, ip=ip, gateway_ip=gateway_ip)
+            self._pending[n.netns] = self._configure_sandbox(n, eth, ip=ip, gateway_ip=gateway_ip)
             return idx
         except BaseException:
             self.destroy(n)
             raise
 
     @staticmethod
-    def _configure_sandbox(n: Names, *, ip: str, gateway_ip: str) -> tuple[_NsIPRoute, int]:
-        """Returns the sandbox netns's open netlink handle and eth0's ifindex (for bring_up)."""
+    def _configure_sandbox(n: Names, eth: int | None, *, ip: str, gateway_ip: str) -> tuple[_NsIPRoute, int]:
+        """eth: eth0's ifindex if known. Returns the sandbox netns's open netlink handle and
+        eth0's ifindex (for bring_up)."""
         _sysctls(n.netns, {
             "net.ipv6.conf.all.disable_ipv6": 1,
             "net.ipv6.conf.default.disable_ipv6": 1,
@@ -154,7 +158,8 @@ class Hub:
         })
         ipr = _ipr(n.netns)
         try:
-            eth = ipr.link_lookup(ifname="eth0")[0]
+            if eth is None:
+                eth = ipr.link_lookup(ifname="eth0")[0]
             ipr.link("set", index=LOOPBACK_IFINDEX, state="up")
             ipr.addr("add", index=eth, address=ip, prefixlen=32)
             ipr.link("set", index=eth, state="up")
