@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import os
 import time
 from dataclasses import dataclass
 
@@ -117,9 +118,11 @@ class Hub:
         """Create netns + veth; configure both ends (links left down). Returns hub ifindex."""
         netns.create(n.netns)
         try:
-            self.ipr.link("add", ifname=n.host_ifname, kind="veth",
-                          peer={"ifname": "eth0", "address": mac,
-                                "net_ns_fd": netns.path(n.netns)})
+            fd = os.open(netns.path(n.netns), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                rtnl.run(self.ns, [rtnl.veth_add(n.host_ifname, peer="eth0", peer_mac=mac, peer_netns_fd=fd)])
+            finally:
+                os.close(fd)
             # the hub end's ifindex and (IFLA_LINK) eth0's in the sandbox netns, in one request
             hub_end = rtnl.link(self.ns, ifname=n.host_ifname)
             idx = hub_end.index

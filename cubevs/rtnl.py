@@ -27,8 +27,10 @@ from . import netns
 _NLMSGHDR = struct.Struct("=IHHII")      # len, type, flags, seq, pid
 _IFINFOMSG = struct.Struct("=BxHiII")    # family, type, index, flags, change
 _RTATTR = struct.Struct("=HH")           # len, type
-# linux/if_link.h attribute types of an RTM_NEWLINK reply that link() reads
-IFLA_LINK, IFLA_QDISC, IFLA_OPERSTATE = 5, 6, 16
+# linux/if_link.h, linux/veth.h attribute types (link() reads; veth_add writes)
+IFLA_ADDRESS, IFLA_IFNAME, IFLA_LINK, IFLA_QDISC, IFLA_OPERSTATE, IFLA_LINKINFO, IFLA_NET_NS_FD = 1, 3, 5, 6, 16, 18, 28
+IFLA_INFO_KIND, IFLA_INFO_DATA, VETH_INFO_PEER = 1, 2, 1
+NLA_F_NESTED = 0x8000
 IF_OPER_UP = 6
 RT_TABLE_MAIN, RTPROT_BOOT, RTN_UNICAST = 254, 3, 1
 RECV_TIMEOUT_S = 5.0
@@ -67,6 +69,42 @@ def route_add(dst: str, dst_len: int, *, oif: int, gateway: str | None = None, s
                         {"family": socket.AF_INET, "dst_len": dst_len, "table": RT_TABLE_MAIN,
                          "proto": RTPROT_BOOT, "scope": scope, "type": RTN_UNICAST},
                         [a for a in attrs if not (a[0] == "RTA_DST" and dst_len == 0)]), tolerate)
+
+
+def _nla(atype: int, payload: bytes) -> bytes:
+    n = _RTATTR.size + len(payload)
+    return _RTATTR.pack(n, atype) + payload + b"\0" * (-n & 3)
+
+
+class _Raw:
+    """A request already encoded (body after the netlink header): what pyroute2's message
+    classes do not build without its request layer (a veth's nested peer)."""
+
+    def __init__(self, msg_type: int, flags: int, body: bytes):
+        self.body = body
+        self._header = {"type": msg_type, "flags": NLM_F_REQUEST | NLM_F_ACK | flags, "sequence_number": 0}
+        self.data = b""
+
+    def __getitem__(self, key):
+        if key != "header":
+            raise KeyError(key)
+        return self._header
+
+    def encode(self) -> None:
+        h = self._header
+        self.data = _NLMSGHDR.pack(_NLMSGHDR.size + len(self.body), h["type"], h["flags"],
+                                   h["sequence_number"], 0) + self.body
+
+
+def veth_add(ifname: str, *, peer: str, peer_mac: str, peer_netns_fd: int) -> Request:
+    """A veth pair: `ifname` here (down), `peer` with `peer_mac` in the namespace of the fd (down)."""
+    mac = bytes.fromhex(peer_mac.replace(":", ""))
+    peer_msg = _IFINFOMSG.pack(0, 0, 0, 0, 0) + _nla(IFLA_IFNAME, peer.encode() + b"\0") + \
+        _nla(IFLA_ADDRESS, mac) + _nla(IFLA_NET_NS_FD, struct.pack("=I", peer_netns_fd))
+    linkinfo = _nla(IFLA_INFO_KIND, b"veth\0") + _nla(IFLA_INFO_DATA | NLA_F_NESTED, _nla(VETH_INFO_PEER | NLA_F_NESTED, peer_msg))
+    body = _IFINFOMSG.pack(0, 0, 0, 0, 0) + _nla(IFLA_IFNAME, ifname.encode() + b"\0") + \
+        _nla(IFLA_LINKINFO | NLA_F_NESTED, linkinfo)
+    return Request(_Raw(RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, body))
 
 
 def _socket(ns: str | None) -> socket.socket:
@@ -110,9 +148,13 @@ def run(ns: str | None, requests: list[Request]) -> None:
         for seq, r in enumerate(requests, 1):
             code = codes[seq]
             if code and code not in r.tolerate:
-                raise NetlinkError(code, f"{type(r.msg).__name__}: {os.strerror(code)}")
+                raise NetlinkError(code, f"{_kind(r.msg)}: {os.strerror(code)}")
     finally:
         s.close()
+
+
+def _kind(msg) -> str:
+    return {RTM_NEWLINK: "link", RTM_NEWADDR: "address", RTM_NEWROUTE: "route"}.get(msg["header"]["type"], "request")
 
 
 @dataclass(frozen=True)

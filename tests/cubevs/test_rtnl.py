@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import secrets
 import subprocess
 import time
@@ -78,3 +79,20 @@ def test_link_reads_index_peer_and_running(two_ns):
     with pytest.raises(NetlinkError) as e:
         rtnl.link(a, ifname="vb")                                     # it is in the other one
     assert e.value.code == errno.ENODEV
+
+
+def test_veth_add_puts_the_peer_in_the_other_namespace_with_its_mac(two_ns):
+    a, b = two_ns
+    fd = os.open(netns.path(b), os.O_RDONLY)
+    try:
+        rtnl.run(a, [rtnl.veth_add("vh", peer="eth0", peer_mac="02:aa:bb:cc:dd:ee", peer_netns_fd=fd)])
+        with pytest.raises(NetlinkError) as e:          # the name is taken now
+            rtnl.run(a, [rtnl.veth_add("vh", peer="eth1", peer_mac="02:aa:bb:cc:dd:ef", peer_netns_fd=fd)])
+        assert e.value.code == errno.EEXIST
+    finally:
+        os.close(fd)
+    vh, eth = rtnl.link(a, ifname="vh"), rtnl.link(b, ifname="eth0")
+    assert vh.peer_index == eth.index and eth.peer_index == vh.index
+    shown = _ip(b, "link", "show", "eth0")
+    assert "link/ether 02:aa:bb:cc:dd:ee" in shown and "state DOWN" in shown
+    assert "eth0" not in _ip(a, "link") and "eth1" not in _ip(b, "link")
