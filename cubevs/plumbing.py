@@ -1,4 +1,5 @@
-"""Per-sandbox network namespace + veth, via netlink (pyroute2 IPRoute, no NDB).
+"""Per-sandbox network namespace + veth, via netlink (pyroute2 IPRoute for links; the
+batched requests of one setup step through rtnl.py).
 
 Layout per sandbox (point-to-point, no L2 shared between sandboxes):
   sandbox netns: eth0 = <ip>/32, MAC derived from ip, route <gw>/32 dev eth0,
@@ -13,15 +14,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import os
 import time
 from dataclasses import dataclass
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
-from . import netns
+from . import netns, rtnl
 
 LOOPBACK_IFINDEX = 1     # the kernel gives lo index 1 in every network namespace
+SCOPE_LINK = 253
 
 
 @dataclass(frozen=True)
@@ -35,16 +38,13 @@ def names_for(sandbox_id: str, salt: str, ns_prefix: str = "cgs") -> Names:
     return Names(netns=f"{ns_prefix}{h[:10]}", host_ifname=f"cgv{h[:10]}")
 
 
-def _wait_running(ipr: IPRoute, ifindex: int, deadline: float) -> None:
+def _wait_running(ns: str | None, ifindex: int, deadline: float) -> None:
     """Carrier-up is applied asynchronously (linkwatch): until then the device keeps the
     `noop` qdisc and silently drops what is sent -- the sandbox's first ARP would be lost
     and its first connection stall for a second.  Poll until operstate is UP."""
-    while True:
-        link = ipr.get_links(ifindex)[0]
-        if link.get("IFLA_OPERSTATE") == "UP" and link.get("IFLA_QDISC") != "noop":
-            return
+    while not rtnl.link(ns, index=ifindex).running:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"link {link.get('IFLA_IFNAME')} did not come up")
+            raise TimeoutError(f"link {ifindex} in {ns or 'this namespace'} did not come up")
         time.sleep(0.0005)
 
 
@@ -89,13 +89,10 @@ class Hub:
     def __init__(self, hub_netns: str | None):
         self.ns = hub_netns
         self.ipr = _ipr(hub_netns)   # every call inside the hub namespace, from any thread
-        # sandbox netns -> (its netlink handle, eth0 ifindex), from create() to bring_up():
-        # opening a handle costs ~1.5 ms of CPU, as much as a few netlink calls
-        self._pending: dict[str, tuple[_NsIPRoute, int]] = {}
+        # sandbox netns -> its eth0's ifindex, from create() to bring_up()
+        self._pending: dict[str, int] = {}
 
     def close(self) -> None:
-        for ipr, _eth in self._pending.values():
-            ipr.close()
         self._pending.clear()
         self.ipr.close()
 
@@ -121,10 +118,14 @@ class Hub:
         """Create netns + veth; configure both ends (links left down). Returns hub ifindex."""
         netns.create(n.netns)
         try:
-            self.ipr.link("add", ifname=n.host_ifname, kind="veth",
-                          peer={"ifname": "eth0", "address": mac,
-                                "net_ns_fd": netns.path(n.netns)})
-            idx = self.ipr.link_lookup(ifname=n.host_ifname)[0]
+            fd = os.open(netns.path(n.netns), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                rtnl.run(self.ns, [rtnl.veth_add(n.host_ifname, peer="eth0", peer_mac=mac, peer_netns_fd=fd)])
+            finally:
+                os.close(fd)
+            # the hub end's ifindex and (IFLA_LINK) eth0's in the sandbox netns, in one request
+            hub_end = rtnl.link(self.ns, ifname=n.host_ifname)
+            idx = hub_end.index
             _sysctls(self.ns, {
                 f"net.ipv4.conf.{n.host_ifname}.rp_filter": 1,
                 f"net.ipv4.conf.{n.host_ifname}.proxy_arp": 0,
@@ -132,16 +133,16 @@ class Hub:
                 f"net.ipv4.conf.{n.host_ifname}.forwarding": 1,
                 f"net.ipv6.conf.{n.host_ifname}.disable_ipv6": 1,
             })
-            self.ipr.addr("add", index=idx, address=gateway_ip, prefixlen=32)
-            self._pending[n.netns] = self._configure_sandbox(n, ip=ip, gateway_ip=gateway_ip)
+            rtnl.run(self.ns, [rtnl.addr_add(idx, gateway_ip, 32)])
+            self._pending[n.netns] = self._configure_sandbox(n, hub_end.peer_index, ip=ip, gateway_ip=gateway_ip)
             return idx
         except BaseException:
             self.destroy(n)
             raise
 
     @staticmethod
-    def _configure_sandbox(n: Names, *, ip: str, gateway_ip: str) -> tuple[_NsIPRoute, int]:
-        """Returns the sandbox netns's open netlink handle and eth0's ifindex (for bring_up)."""
+    def _configure_sandbox(n: Names, eth: int | None, *, ip: str, gateway_ip: str) -> int:
+        """eth: eth0's ifindex if known. Returns eth0's ifindex (for bring_up)."""
         _sysctls(n.netns, {
             "net.ipv6.conf.all.disable_ipv6": 1,
             "net.ipv6.conf.default.disable_ipv6": 1,
@@ -152,44 +153,32 @@ class Hub:
             # address would be announced with it and the switch would drop the ARP instead
             "net.ipv4.conf.all.arp_announce": 2,
         })
-        ipr = _ipr(n.netns)
-        try:
-            eth = ipr.link_lookup(ifname="eth0")[0]
-            ipr.link("set", index=LOOPBACK_IFINDEX, state="up")
-            ipr.addr("add", index=eth, address=ip, prefixlen=32)
-            ipr.link("set", index=eth, state="up")
-            ipr.route("add", dst=f"{gateway_ip}/32", oif=eth, scope=253)   # scope link
-            ipr.route("add", dst="0.0.0.0/0", gateway=gateway_ip, oif=eth)
-        except BaseException:
-            ipr.close()
-            raise
-        return ipr, eth
+        if eth is None:
+            eth = rtnl.link(n.netns, ifname="eth0").index
+        rtnl.run(n.netns, [       # in this order: a route needs its device up
+            rtnl.link_up(LOOPBACK_IFINDEX),
+            rtnl.addr_add(eth, ip, 32),
+            rtnl.link_up(eth),
+            rtnl.route_add(gateway_ip, 32, oif=eth, scope=SCOPE_LINK),
+            rtnl.route_add("0.0.0.0", 0, oif=eth, gateway=gateway_ip),
+        ])
+        return eth
 
     def bring_up(self, n: Names, ifindex: int, ip: str, wait_s: float = 2.0) -> None:
         """Up the hub side (after the filter is attached), route the sandbox ip to it, and
         wait until both ends really pass packets (see _wait_running)."""
-        self.ipr.link("set", index=ifindex, state="up")
-        try:
-            self.ipr.route("add", dst=f"{ip}/32", oif=ifindex, scope=253)
-        except NetlinkError as e:
-            if e.code != errno.EEXIST:
-                raise
-        pending = self._pending.pop(n.netns, None)
-        sipr, eth = pending if pending else (None, None)
-        if sipr is None:
-            sipr = _ipr(n.netns)
-        try:
-            deadline = time.monotonic() + wait_s
-            _wait_running(self.ipr, ifindex, deadline)
-            _wait_running(sipr, eth if eth is not None else sipr.link_lookup(ifname="eth0")[0], deadline)
-        finally:
-            sipr.close()
+        rtnl.run(self.ns, [rtnl.link_up(ifindex),
+                           rtnl.route_add(ip, 32, oif=ifindex, scope=SCOPE_LINK, tolerate=(errno.EEXIST,))])
+        eth = self._pending.pop(n.netns, None)
+        if eth is None:
+            eth = rtnl.link(n.netns, ifname="eth0").index
+        deadline = time.monotonic() + wait_s
+        _wait_running(self.ns, ifindex, deadline)
+        _wait_running(n.netns, eth, deadline)
 
     def destroy(self, n: Names) -> None:
         """Delete the veth (both ends, synchronously) and the netns. Idempotent."""
-        pending = self._pending.pop(n.netns, None)
-        if pending:
-            pending[0].close()
+        self._pending.pop(n.netns, None)
         idx = self.ipr.link_lookup(ifname=n.host_ifname)
         if idx:
             with contextlib.suppress(NetlinkError):

@@ -215,6 +215,12 @@ def _save_handle(sdir: Path, h: Handle) -> None:
     tmp.replace(sdir / "handle.json")
 
 
+def _record_pid(h: Handle, launcher: Launcher) -> None:
+    """The launcher's pid is bwrap's once claimed (it execs bwrap): destroy kills by it."""
+    h.data["bwrap_pid"] = launcher.pid
+    h.data["bwrap_start"] = _start_time(launcher.pid)
+
+
 def _drain_tail(pipe, buf: bytearray, keep: int = 2000) -> bool:
     """Read what the (non-blocking) pipe has, keep only the last `keep` bytes. True at EOF."""
     while True:
@@ -333,16 +339,17 @@ class NamespaceBackend:
             with phases.phase("cgroups"):
                 cg, launcher = self._confine(sid, spec, pooled)
             h.data["cgroups"] = cg.to_json()
-            # Written before anything runs (and again with the pids): if the daemon dies mid-create,
-            # list() still finds what to reap (Manager.recover destroys handles without a record).
+            if launcher is not None:    # pooled: its pid is known now, one handle write suffices
+                _record_pid(h, launcher)
+            # Written before anything runs (and again with the pid when the launcher is spawned
+            # only in _spawn): if the daemon dies mid-create, list() still finds what to reap
+            # (Manager.recover destroys handles without a record).
             with phases.phase("handle"), self._etc_lock:
                 if tpl is None:     # the shared /etc it will use is on disk before it is used (_prune_etc)
                     h.data["etc_dir"] = str(self._shared_etc_dir(gateway_ip))
                 _save_handle(sdir, h)
             self._spawn(h, spec, cg, gateway_ip, launcher)
             launcher = None     # the sandbox's now: destroy ends it
-            with phases.phase("handle"):
-                _save_handle(sdir, h)
             client = self._client(h)      # the agent has its environment already (_wait_ready)
             self._run_trust_script(h, client)
             for path, content in files.items():
@@ -540,9 +547,10 @@ class NamespaceBackend:
             with phases.phase("spawn"):
                 if launcher is None:
                     launcher = Launcher(self.agent_binary, cg.procs_files())
+                    _record_pid(h, launcher)
+                    with phases.phase("handle"):
+                        _save_handle(Path(h.data["state_dir"]), h)
                 self._children[sid] = launcher.proc
-                h.data["bwrap_pid"] = launcher.pid
-                h.data["bwrap_start"] = _start_time(launcher.pid)
                 try:
                     launcher.claim(f"/run/netns/{h.netns}", h.data["host_uid"], argv, fds)
                 except LauncherError as e:
