@@ -394,6 +394,13 @@ class PolicyGate:
         self._count(st, "deny", "header_timeout", "connect")
         self._kill_client(client)
 
+    def cubegate_head_timeout(self, client: connection.Client) -> None:
+        """A later request head timed out inside mitmproxy (refused 408 there, egress.mitm_internals)."""
+        st = self.conns.get(client.id)
+        if st is not None and st.denied_reason != "header_timeout":
+            st.kind, st.denied_reason = "denied", "header_timeout"  # in the connection_closed record
+            self._count(st, "deny", "header_timeout", "connect")
+
     def _arm_upstream_timer(self, flow: http.HTTPFlow) -> None:
         if self.upstream_timeout and "cubegate_up_timer" not in flow.metadata:
             flow.metadata["cubegate_up_timer"] = asyncio.get_running_loop().call_later(

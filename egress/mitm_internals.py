@@ -7,8 +7,10 @@ upstream bytes again).
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
+import time
 import types
 
 from mitmproxy import addonmanager, connection, ctx, exceptions, flow, hooks, http
@@ -265,13 +267,16 @@ def _head_complete(buf, limit: int) -> bool:
     return b"\r\n\r\n" in head or b"\n\n" in head
 
 
-def install_head_limit(limit: int) -> None:
+def install_head_limit(limit: int, head_timeout: float | None = None) -> None:
+    """head_timeout: every request head's deadline from its first byte (None: none)."""
     from mitmproxy.proxy import commands, events
     from mitmproxy.proxy.layers.http._base import ReceiveHttp
     from mitmproxy.proxy.layers.http._events import ErrorCode, ResponseProtocolError
 
     def bounded(original, side: str):
         def read_headers(self, event):
+            if side == "client" and head_timeout and (yield from _head_deadline(self, event, head_timeout)):
+                return
             if isinstance(event, events.DataReceived) and len(self.buf) > limit \
                     and not _head_complete(self.buf, limit):
                 if side == "client":        # the sandbox's side
@@ -289,7 +294,10 @@ def install_head_limit(limit: int) -> None:
                 if (yield from _swallow_h1_informational(self, limit)):
                     return
             yield from original(self, event)
+            if side == "client" and head_timeout:
+                yield from _after_read_headers(self, head_timeout)
         read_headers._cubegate_limit = limit
+        read_headers._cubegate_head_timeout = head_timeout if side == "client" else None
         return read_headers
 
     for cls, side in ((_http1.Http1Server, "client"), (_http1.Http1Client, "server")):
@@ -297,6 +305,7 @@ def install_head_limit(limit: int) -> None:
         patched = bounded(original, side)
         patched._cubegate_original = original
         cls.read_headers = patched
+    _install_head_wakeup(head_timeout)
     _install_h2_informational_limit(limit)
     _http1.ChunkedReader = _bounded_chunked_reader(limit)
 
@@ -525,3 +534,85 @@ def install_hook_table(master) -> None:
     master.options.changed.disconnect(master.addons._configure_all)
     master.addons = HookTableAddons(master)
 
+
+
+# -- every request head has a deadline ---------------------------------------------------
+# mitmproxy has only tcp_timeout, which every byte resets, and the gate's own timer covers a
+# connection's first head: a second keep-alive head (or one inside a tunnel) could be trickled
+# for ever. Like the fast path (egress/fastpath/plain.py), each HTTP/1 request head must end
+# `seconds` after its first byte, else 408 header_timeout and the connection is closed.
+# The check runs on every byte of a head and on one wakeup per incomplete head: a head that
+# arrives whole costs a clock read, no timer.
+from mitmproxy.proxy import commands as _commands, events as _events   # noqa: E402
+
+
+@dataclasses.dataclass
+class CubegateHeadTimeoutHook(_commands.StartHook):
+    """A request head on this client connection did not end in time (already refused 408).
+    Not blocking: the gate only records it (st.denied_reason, the connection_closed audit)."""
+    client: connection.Client
+    blocking = False
+
+
+def _head_deadline(self, event, seconds: float):
+    """Before mitmproxy's read_headers on the sandbox's side: True (refusal yielded) when the
+    head in progress is past its deadline. Starts the head's clock at its first byte."""
+    started = self.__dict__.get("_cubegate_head_since")
+    if started is None:
+        if isinstance(event, _events.DataReceived) and len(self.buf):
+            self._cubegate_head_since = time.monotonic()
+        return False
+    if time.monotonic() - started < seconds:
+        return False
+    yield from _refuse_head_timeout(self, seconds)
+    return True
+
+
+def _refuse_head_timeout(self, seconds: float):
+    self._cubegate_head_since = None
+    self.buf = type(self.buf)()
+    yield _commands.SendData(self.conn, _refusal_bytes(408, "header_timeout",
+                                                       f"request head not complete within {seconds:g}s"))
+    yield CubegateHeadTimeoutHook(self.context.client)
+    yield _commands.CloseConnection(self.conn)
+    self.state = self.done
+
+
+def _after_read_headers(self, seconds: float):
+    """After mitmproxy's read_headers: the head ended (clock stopped) or is still open (one wakeup)."""
+    started = self.__dict__.get("_cubegate_head_since")
+    if started is None:
+        return
+    if self.state != self.read_headers or not len(self.buf):
+        self._cubegate_head_since = None
+    elif self.__dict__.get("_cubegate_head_wakeup") is None:
+        wake = self._cubegate_head_wakeup = _commands.RequestWakeup(max(0.0, seconds - (time.monotonic() - started)))
+        yield wake
+
+
+def _install_head_wakeup(seconds: float | None) -> None:
+    """Http1Server gets our wakeup in any state (mitmproxy's states refuse an unexpected event)."""
+    cls = _http1.Http1Server
+    original = getattr(cls._handle_event, "_cubegate_original", cls._handle_event)
+
+    def _handle_event(self, event):
+        if isinstance(event, _events.Wakeup) and event.command is self.__dict__.get("_cubegate_head_wakeup"):
+            self._cubegate_head_wakeup = None
+            started = self.__dict__.get("_cubegate_head_since")
+            if started is not None and seconds and self.state == self.read_headers:
+                if time.monotonic() - started >= seconds:
+                    yield from _refuse_head_timeout(self, seconds)
+                else:
+                    yield from _after_read_headers(self, seconds)
+            return
+        yield from original(self, event)
+
+    _handle_event._cubegate_original = original
+    _handle_event._cubegate_head_timeout = seconds
+    cls._handle_event = _handle_event
+
+
+def head_deadline_installed() -> float | None:
+    a = getattr(_http1.Http1Server.read_headers, "_cubegate_head_timeout", None)
+    b = getattr(_http1.Http1Server._handle_event, "_cubegate_head_timeout", None)
+    return a if a == b else None

@@ -127,3 +127,29 @@ def test_hook_table_replicates_addonmanagers_dispatch():
     changers = {n for n, f in vars(addonmanager.AddonManager).items() if inspect.isfunction(f)
                 and any(w in inspect.getsource(f) for w in ("self.chain =", "self.chain.append(", "self.lookup["))}
     assert changers <= {"register", "add", "remove", "clear", "__init__"}, changers
+
+
+def test_every_head_deadline_reaches_what_it_patches():
+    """install_head_limit(..., head_timeout): the clock lives on Http1Server (its buf and state),
+    its wakeup comes back through HttpLayer's command_sources, and the gate hears of a refusal
+    through a non-blocking StartHook."""
+    from mitmproxy import hooks
+    from mitmproxy.proxy.layers import http as layers_http
+    mitm_internals.install_head_limit(48 * 1024, 2.0)
+    assert mitm_internals.head_deadline_installed() == 2.0
+    handle = inspect.getsource(_http1.Http1Server._handle_event._cubegate_original)
+    assert "self.buf += event.data" in handle and "yield from self.state(event)" in handle
+    read = inspect.getsource(_http1.Http1Server.read_headers._cubegate_original)
+    assert "self.state = self.read_body" in read and "self.state = self.done" in read
+    assert "def done" in inspect.getsource(_http1.Http1Connection)
+    route = inspect.getsource(layers_http.HttpLayer.event_to_child)
+    assert "isinstance(command, commands.RequestWakeup)" in route and "self.command_sources[command] = child" in route
+    assert "self.command_sources.pop(event.command)" in inspect.getsource(layers_http.HttpLayer._handle_event)
+    assert "if hook.blocking:" in inspect.getsource(server.ConnectionHandler.hook_task)
+    assert hooks.all_hooks["cubegate_head_timeout"] is mitm_internals.CubegateHeadTimeoutHook
+    assert mitm_internals.CubegateHeadTimeoutHook.blocking is False
+    from egress.gate import PolicyGate
+    from egress.hook_guard import hook_names
+    assert "cubegate_head_timeout" in hook_names(PolicyGate)      # guarded: fails closed like every hook
+    mitm_internals.install_head_limit(48 * 1024)                  # none: back to no deadline
+    assert mitm_internals.head_deadline_installed() is None
