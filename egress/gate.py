@@ -107,6 +107,11 @@ class SandboxLookup(Protocol):
     def lookup_by_ip(self, ip: str) -> Identity | None: ...
 
 
+# What mitmproxy may hold unprocessed from one client while a hook of its runs (DNS, policy,
+# vault): reading that client stops past it until the hook is done (egress.mitm_internals).
+HOOK_QUEUE_BYTES = 1 << 20
+
+
 class _CountingReader:
     """Wraps a connection's StreamReader to count bytes (mitmproxy keeps no counters)."""
 
@@ -476,6 +481,7 @@ class PolicyGate:
                 self._refuse_connection(st, client, "sandbox_connection_limit", identity=ident)
                 return
         self._wrap_reader(client, "out", st)
+        mitm_internals.bound_hook_queue(client.id, HOOK_QUEUE_BYTES)
 
     def _kill_if_open(self, conn_id: str) -> None:
         st = self.conns.get(conn_id)

@@ -616,3 +616,155 @@ def head_deadline_installed() -> float | None:
     a = getattr(_http1.Http1Server.read_headers, "_cubegate_head_timeout", None)
     b = getattr(_http1.Http1Server._handle_event, "_cubegate_head_timeout", None)
     return a if a == b else None
+
+
+# -- bytes queued while a hook runs ---------------------------------------------------------
+# A layer that waits on a hook (requestheaders on DNS, next_layer, server_connect, ...) queues
+# every event behind it (Layer._paused_event_queue, NextLayer.events), and mitmproxy's handler
+# keeps reading the client meanwhile: every byte limit of ours is checked only after the hook,
+# so a sandbox could park GBs in those seconds. While a blocking hook or an upstream open is
+# pending on a connection, the bytes read from its client count as queued; past the bound the
+# handler stops reading that client (TCP backpressure, never a drop) until nothing is pending,
+# when mitmproxy has replayed the queue. No hook of ours waits on the client's bytes, so the
+# wait ends. A wait for one of mitmproxy's 5 upstream slots per address is not counted: it can
+# end only when another stream of the same client finishes, which may need the client's bytes.
+class HookQueueBound:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.pending = 0
+        self.queued = 0
+        self.opening: set = set()           # OpenConnection commands not yet answered
+        self._room = None
+
+    def begin(self) -> None:
+        self.pending += 1
+
+    def end(self) -> None:
+        self.pending = max(0, self.pending - 1)
+        if not self.pending:
+            self.queued = 0                 # mitmproxy replayed everything it held
+            if self._room is not None and not self._room.done():
+                self._room.set_result(None)
+
+    def read(self, n: int) -> None:
+        if self.pending:
+            self.queued += n
+
+    async def room(self) -> None:
+        import asyncio
+        while self.pending and self.queued > self.limit:
+            self._room = asyncio.get_running_loop().create_future()
+            await self._room
+
+
+class _BoundedReader:
+    """The client's reader: waits for room before each read (ConnectionHandler.handle_connection)."""
+
+    def __init__(self, inner, bound: HookQueueBound) -> None:
+        self._inner = inner
+        self._bound = bound
+
+    async def read(self, n: int = -1) -> bytes:
+        await self._bound.room()
+        data = await self._inner.read(n)
+        self._bound.read(len(data))
+        return data
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _SlotWait:
+    """One of mitmproxy's per-address upstream semaphores: its wait is not counted as pending."""
+
+    def __init__(self, sem, bound: HookQueueBound) -> None:
+        self._sem = sem
+        self._bound = bound
+
+    async def __aenter__(self):
+        if not self._sem.locked():
+            return await self._sem.acquire()
+        self._bound.end()
+        try:
+            return await self._sem.acquire()
+        finally:
+            self._bound.begin()
+
+    async def __aexit__(self, *exc):
+        self._sem.release()
+
+
+def _queue_bound(handler) -> HookQueueBound | None:
+    return handler.__dict__.get("_cubegate_queue")
+
+
+def install_hook_queue_bound() -> None:
+    from mitmproxy.proxy import server
+
+    cls = server.ConnectionHandler
+    if getattr(cls.hook_task, "_cubegate", False):
+        return
+    hook_task, open_connection, server_event = cls.hook_task, cls.open_connection, cls.server_event
+
+    def counted_hook_task(self, hook):
+        # called synchronously by server_event: pending from the moment the layer paused
+        bound = _queue_bound(self)
+        if bound is None or not hook.blocking:
+            return hook_task(self, hook)
+        bound.begin()
+
+        async def run():
+            try:
+                await hook_task(self, hook)   # ends after HookCompleted was handled (queue replayed)
+            finally:
+                bound.end()
+        return run()
+
+    def counted_open_connection(self, command):
+        bound = _queue_bound(self)
+        if bound is None:
+            return open_connection(self, command)
+        bound.begin()
+        bound.opening.add(command)
+
+        async def run():
+            try:
+                await open_connection(self, command)
+            finally:
+                if command in bound.opening:   # cancelled before its answer
+                    bound.opening.discard(command)
+                    bound.end()
+        return run()
+
+    async def counted_server_event(self, event):
+        await server_event(self, event)
+        bound = _queue_bound(self)
+        if bound is not None and bound.opening and isinstance(event, _events.OpenConnectionCompleted) \
+                and event.command in bound.opening:
+            bound.opening.discard(event.command)
+            bound.end()
+
+    for f in (counted_hook_task, counted_open_connection, counted_server_event):
+        f._cubegate = True
+    cls.hook_task, cls.open_connection, cls.server_event = counted_hook_task, counted_open_connection, \
+        counted_server_event
+
+
+def hook_queue_bound_installed() -> bool:
+    from mitmproxy.proxy import server
+    cls = server.ConnectionHandler
+    return all(getattr(f, "_cubegate", False) for f in (cls.hook_task, cls.open_connection, cls.server_event))
+
+
+def bound_hook_queue(client_id: str, limit: int) -> HookQueueBound | None:
+    """From the client_connected hook (before mitmproxy starts reading that client)."""
+    import collections
+
+    handler = _handler(client_id)
+    if handler is None:
+        return None
+    bound = handler._cubegate_queue = HookQueueBound(limit)
+    slot = handler.max_conns.default_factory
+    handler.max_conns = collections.defaultdict(lambda: _SlotWait(slot(), bound))
+    wrap_reader(client_id, handler.client, lambda reader: _BoundedReader(reader, bound))
+    return bound

@@ -153,3 +153,22 @@ def test_every_head_deadline_reaches_what_it_patches():
     assert "cubegate_head_timeout" in hook_names(PolicyGate)      # guarded: fails closed like every hook
     mitm_internals.install_head_limit(48 * 1024)                  # none: back to no deadline
     assert mitm_internals.head_deadline_installed() is None
+
+
+def test_hook_queue_bound_reaches_what_it_patches():
+    """install_hook_queue_bound counts what ConnectionHandler starts for a paused layer (hook_task
+    for a blocking hook, open_connection) and stops reading the client through its reader: when
+    mitmproxy changes how it reads, pauses or opens, this fails."""
+    mitm_internals.install_hook_queue_bound()
+    mitm_internals.install_hook_queue_bound()                    # idempotent
+    assert mitm_internals.hook_queue_bound_installed()
+    original = inspect.getsource(server)          # the module's text: our patches replaced the methods
+    for piece in ("self.hook_task(command)", "self.open_connection(command)", "await self.server_event(events.HookCompleted(hook))",
+                  "events.OpenConnectionCompleted(command, None)", "reader = self.transports[connection].reader",
+                  "data = await reader.read(65535)", "async with self.max_conns[command.connection.address]:",
+                  "collections.defaultdict(lambda: asyncio.Semaphore(5))"):
+        assert piece in original, piece
+    from mitmproxy.proxy import layer
+    paused = inspect.getsource(layer.Layer.handle_event)
+    assert "command.blocking = self" in paused and "self._paused_event_queue.append(event)" in paused
+    assert "while not self._paused and self._paused_event_queue:" in inspect.getsource(layer.Layer)
