@@ -306,6 +306,7 @@ def install_head_limit(limit: int, head_timeout: float | None = None) -> None:
         patched._cubegate_original = original
         cls.read_headers = patched
     _install_head_wakeup(head_timeout)
+    _install_h2_head_deadline(head_timeout)
     _install_h2_informational_limit(limit)
     _http1.ChunkedReader = _bounded_chunked_reader(limit)
 
@@ -612,10 +613,60 @@ def _install_head_wakeup(seconds: float | None) -> None:
     cls._handle_event = _handle_event
 
 
+# HTTP/2: a request head is a HEADERS frame and its CONTINUATIONs. h2 holds an unfinished header
+# block in its FrameBuffer (_headers_buffer), a frame not all in yet in its _data (type at byte 3).
+_H2_HEAD_FRAME_TYPES = (0x1, 0x9)    # HEADERS, CONTINUATION
+
+
+def _h2_head_open(self) -> bool:
+    buf = self.h2_conn.incoming_buffer
+    return bool(buf._headers_buffer) or (len(buf._data) >= 4 and buf._data[3] in _H2_HEAD_FRAME_TYPES)
+
+
+def _h2_head_clock(self, seconds: float):
+    """After each event: start, stop or enforce the open head's deadline (one wakeup at a time)."""
+    import h2.errors
+    if "_handle_event" in self.__dict__:          # mitmproxy closed it (self._handle_event = self.done)
+        return
+    if not _h2_head_open(self):
+        self._cubegate_head_since = None
+        return
+    started = self.__dict__.setdefault("_cubegate_head_since", None) or time.monotonic()
+    self._cubegate_head_since = started
+    left = seconds - (time.monotonic() - started)
+    if left <= 0:
+        self._cubegate_head_since = None
+        yield CubegateHeadTimeoutHook(self.context.client)
+        yield from self.protocol_error(f"request head not complete within {seconds:g}s",
+                                       error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+    elif self.__dict__.get("_cubegate_head_wakeup") is None:
+        wake = self._cubegate_head_wakeup = _commands.RequestWakeup(left)
+        yield wake
+
+
+def _install_h2_head_deadline(seconds: float | None) -> None:
+    cls = _http2.Http2Server
+    original = getattr(cls.__dict__["_handle_event"], "_cubegate_original", cls.__dict__["_handle_event"])
+
+    def _handle_event(self, event):
+        if seconds and isinstance(event, _events.Wakeup) and event.command is self.__dict__.get("_cubegate_head_wakeup"):
+            self._cubegate_head_wakeup = None
+            yield from _h2_head_clock(self, seconds)
+            return
+        yield from original(self, event)
+        if seconds and isinstance(event, _events.DataReceived):
+            yield from _h2_head_clock(self, seconds)
+
+    _handle_event._cubegate_original = original
+    _handle_event._cubegate_head_timeout = seconds
+    cls._handle_event = _handle_event
+
+
 def head_deadline_installed() -> float | None:
     a = getattr(_http1.Http1Server.read_headers, "_cubegate_head_timeout", None)
     b = getattr(_http1.Http1Server._handle_event, "_cubegate_head_timeout", None)
-    return a if a == b else None
+    c = getattr(_http2.Http2Server.__dict__["_handle_event"], "_cubegate_head_timeout", None)
+    return a if a == b == c else None
 
 
 # -- bytes queued while a hook runs ---------------------------------------------------------

@@ -109,3 +109,80 @@ def test_heads_that_arrive_whole_are_served_on_a_kept_alive_connection(hgw, lab)
 
     heads = lab.call_gw(run, timeout=60)
     assert [h[:12] for h in heads] == [b"HTTP/1.1 200"] * 3, [h[:60] for h in heads]
+
+
+def _h2_second_head_trickled(gw) -> dict:
+    """h2 in the tunnel: stream 1 answered, then stream 3's HEADERS (no END_HEADERS) and its
+    CONTINUATION frames one header-block byte at a time: GOAWAY and closed at the deadline."""
+    import h2.config
+    import h2.connection
+    import h2.events
+    from hyperframe.frame import ContinuationFrame, HeadersFrame
+
+    s, head = rawclient.connect_tunnel(gw.proxy_port, "echo.allowed.test:443",
+                                       rawclient.auth_header("sb-1", gw.tokens["sb-1"]))
+    assert rawclient.connect_status(head) == 200, head
+    ctx = ssl.create_default_context(cafile=str(gw.ca_cert))
+    ctx.set_alpn_protocols(["h2"])
+    out: dict = {"events": []}
+    with ctx.wrap_socket(s, server_hostname="echo.allowed.test") as tls:
+        assert tls.selected_alpn_protocol() == "h2"
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        conn.initiate_connection()
+        hdrs = [(":method", "GET"), (":scheme", "https"), (":authority", "echo.allowed.test")]
+        conn.send_headers(1, [*hdrs, (":path", "/first")], end_stream=True)
+        tls.sendall(conn.data_to_send())
+        tls.settimeout(5)
+        ended = False
+        while not ended:
+            data = tls.recv(65536)
+            assert data, "closed before the first answer"
+            for ev in conn.receive_data(data):
+                if isinstance(ev, h2.events.ResponseReceived):
+                    out["first"] = dict(ev.headers).get(":status")
+                ended = ended or isinstance(ev, (h2.events.StreamEnded, h2.events.StreamReset))
+            tls.sendall(conn.data_to_send())
+        block = conn.encoder.encode([*hdrs, (":path", "/second"), ("x-pad", "a" * 200)])
+        tls.sendall(HeadersFrame(3, data=block[:1], flags=["END_STREAM"]).serialize())
+        tls.settimeout(0.5)
+        t0 = time.monotonic()
+        for i in range(1, len(block) - 1):          # never the last byte (END_HEADERS)
+            if time.monotonic() - t0 > HEADER_TIMEOUT + SLACK + 2:
+                break
+            try:
+                tls.sendall(ContinuationFrame(3, data=block[i:i + 1]).serialize())
+            except OSError:
+                break
+            try:
+                data = tls.recv(65536)
+            except (TimeoutError, ssl.SSLWantReadError):
+                continue
+            except (OSError, ssl.SSLError):
+                break
+            if not data:
+                break
+            try:
+                out["events"] += [type(ev).__name__ for ev in conn.receive_data(data)]
+            except Exception as e:      # noqa: BLE001 - the test only records what came
+                out["events"].append(type(e).__name__)
+            if "ConnectionTerminated" in out["events"]:
+                break
+        out["cut_after"] = time.monotonic() - t0
+    return out
+
+
+def _timed_out(gw) -> int:
+    return sum(1 for r in gw.audit_records()
+               if r.get("event") == "connection_closed" and r.get("reason") == "header_timeout")
+
+
+def test_a_second_h2_head_trickled_in_continuations_is_cut_at_header_timeout(hgw, lab):
+    before = _timed_out(hgw)
+    out = lab.call_gw(_h2_second_head_trickled, hgw, timeout=60)
+    assert out.get("first") == "200", out
+    assert "ConnectionTerminated" in out["events"], out
+    assert HEADER_TIMEOUT - 0.3 <= out["cut_after"] < HEADER_TIMEOUT + SLACK, out["cut_after"]
+    deadline = time.monotonic() + 5
+    while _timed_out(hgw) <= before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _timed_out(hgw) == before + 1

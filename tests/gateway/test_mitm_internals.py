@@ -151,6 +151,22 @@ def test_every_head_deadline_reaches_what_it_patches():
     from egress.gate import PolicyGate
     from egress.hook_guard import hook_names
     assert "cubegate_head_timeout" in hook_names(PolicyGate)      # guarded: fails closed like every hook
+    # HTTP/2: h2 holds an unfinished header block in its FrameBuffer, a partial frame in _data
+    import h2.config
+    import h2.connection
+    from hyperframe.frame import HeadersFrame
+    from mitmproxy.proxy.layers.http import _http2
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    h2c.initiate_connection()
+    h2c.receive_data(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+    frame = HeadersFrame(1, data=b"\x82", flags=[]).serialize()       # no END_HEADERS
+    h2c.receive_data(frame)
+    assert h2c.incoming_buffer._headers_buffer and not h2c.incoming_buffer._data
+    h2c.receive_data(HeadersFrame(3, data=b"\x82").serialize()[:5])
+    assert bytes(h2c.incoming_buffer._data[3:4]) == b"\x01"                # type byte of the partial frame
+    assert "self.h2_conn.receive_data(event.data)" in inspect.getsource(_http2.Http2Connection)
+    assert "def protocol_error" in inspect.getsource(_http2.Http2Connection)
+    assert "self._handle_event = self.done" in inspect.getsource(_http2.Http2Connection.close_connection)
     mitm_internals.install_head_limit(48 * 1024)                  # none: back to no deadline
     assert mitm_internals.head_deadline_installed() is None
 
