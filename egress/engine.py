@@ -34,7 +34,9 @@ def build_master(
         raise TypeError("the gate's hooks must fail closed (egress.hook_guard.fail_closed)")
     mitm_internals.install_safe_error_pages()   # no error page quotes the bytes that failed
     mitm_internals.install_trailer_refusal()     # HTTP/1 trailers are refused, never a hung connection
-    mitm_internals.install_head_limit(gate.max_header_bytes + 16 * 1024)   # request line + headers, bounded
+    # request line + headers: bounded in size, and each head in time from its first byte
+    mitm_internals.install_head_limit(gate.max_header_bytes + 16 * 1024, gate.header_timeout)
+    mitm_internals.install_hook_queue_bound()    # a client is not read while a hook holds too much of it
     mitm_internals.install_websocket_control_scrub()   # ping/pong payloads and close reasons cross empty
     log_redact.install()                         # no engine log line does either
     opts = options.Options()

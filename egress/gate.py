@@ -109,6 +109,11 @@ class SandboxLookup(Protocol):
     def lookup_by_ip(self, ip: str) -> Identity | None: ...
 
 
+# What mitmproxy may hold unprocessed from one client while a hook of its runs (DNS, policy,
+# vault): reading that client stops past it until the hook is done (egress.mitm_internals).
+HOOK_QUEUE_BYTES = 1 << 20
+
+
 class _CountingReader:
     """Wraps a connection's StreamReader to count bytes (mitmproxy keeps no counters)."""
 
@@ -413,6 +418,13 @@ class PolicyGate:
         self._count(st, "deny", "header_timeout", "connect")
         self._kill_client(client)
 
+    def cubegate_head_timeout(self, client: connection.Client) -> None:
+        """A later request head timed out inside mitmproxy (refused 408 there, egress.mitm_internals)."""
+        st = self.conns.get(client.id)
+        if st is not None and st.denied_reason != "header_timeout":
+            st.kind, st.denied_reason = "denied", "header_timeout"  # in the connection_closed record
+            self._count(st, "deny", "header_timeout", "connect")
+
     def _arm_upstream_timer(self, flow: http.HTTPFlow) -> None:
         if self.upstream_timeout and "cubegate_up_timer" not in flow.metadata:
             flow.metadata["cubegate_up_timer"] = asyncio.get_running_loop().call_later(
@@ -488,6 +500,7 @@ class PolicyGate:
                 self._refuse_connection(st, client, "sandbox_connection_limit", identity=ident)
                 return
         self._wrap_reader(client, "out", st)
+        mitm_internals.bound_hook_queue(client.id, HOOK_QUEUE_BYTES)
 
     def _kill_if_open(self, conn_id: str) -> None:
         st = self.conns.get(conn_id)

@@ -7,8 +7,10 @@ upstream bytes again).
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
+import time
 import types
 
 from mitmproxy import addonmanager, connection, ctx, exceptions, flow, hooks, http
@@ -265,13 +267,16 @@ def _head_complete(buf, limit: int) -> bool:
     return b"\r\n\r\n" in head or b"\n\n" in head
 
 
-def install_head_limit(limit: int) -> None:
+def install_head_limit(limit: int, head_timeout: float | None = None) -> None:
+    """head_timeout: every request head's deadline from its first byte (None: none)."""
     from mitmproxy.proxy import commands, events
     from mitmproxy.proxy.layers.http._base import ReceiveHttp
     from mitmproxy.proxy.layers.http._events import ErrorCode, ResponseProtocolError
 
     def bounded(original, side: str):
         def read_headers(self, event):
+            if side == "client" and head_timeout and (yield from _head_deadline(self, event, head_timeout)):
+                return
             if isinstance(event, events.DataReceived) and len(self.buf) > limit \
                     and not _head_complete(self.buf, limit):
                 if side == "client":        # the sandbox's side
@@ -289,7 +294,10 @@ def install_head_limit(limit: int) -> None:
                 if (yield from _swallow_h1_informational(self, limit)):
                     return
             yield from original(self, event)
+            if side == "client" and head_timeout:
+                yield from _after_read_headers(self, head_timeout)
         read_headers._cubegate_limit = limit
+        read_headers._cubegate_head_timeout = head_timeout if side == "client" else None
         return read_headers
 
     for cls, side in ((_http1.Http1Server, "client"), (_http1.Http1Client, "server")):
@@ -297,6 +305,8 @@ def install_head_limit(limit: int) -> None:
         patched = bounded(original, side)
         patched._cubegate_original = original
         cls.read_headers = patched
+    _install_head_wakeup(head_timeout)
+    _install_h2_head_deadline(head_timeout)
     _install_h2_informational_limit(limit)
     _http1.ChunkedReader = _bounded_chunked_reader(limit)
 
@@ -525,3 +535,287 @@ def install_hook_table(master) -> None:
     master.options.changed.disconnect(master.addons._configure_all)
     master.addons = HookTableAddons(master)
 
+
+
+# -- every request head has a deadline ---------------------------------------------------
+# mitmproxy has only tcp_timeout, which every byte resets, and the gate's own timer covers a
+# connection's first head: a second keep-alive head (or one inside a tunnel) could be trickled
+# for ever. Like the fast path (egress/fastpath/plain.py), each HTTP/1 request head must end
+# `seconds` after its first byte, else 408 header_timeout and the connection is closed.
+# The check runs on every byte of a head and on one wakeup per incomplete head: a head that
+# arrives whole costs a clock read, no timer.
+from mitmproxy.proxy import commands as _commands, events as _events   # noqa: E402
+
+
+@dataclasses.dataclass
+class CubegateHeadTimeoutHook(_commands.StartHook):
+    """A request head on this client connection did not end in time (already refused 408).
+    Not blocking: the gate only records it (st.denied_reason, the connection_closed audit)."""
+    client: connection.Client
+    blocking = False
+
+
+def _head_deadline(self, event, seconds: float):
+    """Before mitmproxy's read_headers on the sandbox's side: True (refusal yielded) when the
+    head in progress is past its deadline. Starts the head's clock at its first byte."""
+    started = self.__dict__.get("_cubegate_head_since")
+    if started is None:
+        if isinstance(event, _events.DataReceived) and len(self.buf):
+            self._cubegate_head_since = time.monotonic()
+        return False
+    if time.monotonic() - started < seconds:
+        return False
+    yield from _refuse_head_timeout(self, seconds)
+    return True
+
+
+def _refuse_head_timeout(self, seconds: float):
+    self._cubegate_head_since = None
+    self.buf = type(self.buf)()
+    yield _commands.SendData(self.conn, _refusal_bytes(408, "header_timeout",
+                                                       f"request head not complete within {seconds:g}s"))
+    yield CubegateHeadTimeoutHook(self.context.client)
+    yield _commands.CloseConnection(self.conn)
+    self.state = self.done
+
+
+def _after_read_headers(self, seconds: float):
+    """After mitmproxy's read_headers: the head ended (clock stopped) or is still open (one wakeup)."""
+    started = self.__dict__.get("_cubegate_head_since")
+    if started is None:
+        return
+    if self.state != self.read_headers or not len(self.buf):
+        self._cubegate_head_since = None
+    elif self.__dict__.get("_cubegate_head_wakeup") is None:
+        wake = self._cubegate_head_wakeup = _commands.RequestWakeup(max(0.0, seconds - (time.monotonic() - started)))
+        yield wake
+
+
+def _install_head_wakeup(seconds: float | None) -> None:
+    """Http1Server gets our wakeup in any state (mitmproxy's states refuse an unexpected event)."""
+    cls = _http1.Http1Server
+    original = getattr(cls._handle_event, "_cubegate_original", cls._handle_event)
+
+    def _handle_event(self, event):
+        if isinstance(event, _events.Wakeup) and event.command is self.__dict__.get("_cubegate_head_wakeup"):
+            self._cubegate_head_wakeup = None
+            started = self.__dict__.get("_cubegate_head_since")
+            if started is not None and seconds and self.state == self.read_headers:
+                if time.monotonic() - started >= seconds:
+                    yield from _refuse_head_timeout(self, seconds)
+                else:
+                    yield from _after_read_headers(self, seconds)
+            return
+        yield from original(self, event)
+
+    _handle_event._cubegate_original = original
+    _handle_event._cubegate_head_timeout = seconds
+    cls._handle_event = _handle_event
+
+
+# HTTP/2: a request head is a HEADERS frame and its CONTINUATIONs. h2 holds an unfinished header
+# block in its FrameBuffer (_headers_buffer), a frame not all in yet in its _data (type at byte 3).
+_H2_HEAD_FRAME_TYPES = (0x1, 0x9)    # HEADERS, CONTINUATION
+
+
+def _h2_head_open(self) -> bool:
+    buf = self.h2_conn.incoming_buffer
+    return bool(buf._headers_buffer) or (len(buf._data) >= 4 and buf._data[3] in _H2_HEAD_FRAME_TYPES)
+
+
+def _h2_head_clock(self, seconds: float):
+    """After each event: start, stop or enforce the open head's deadline (one wakeup at a time)."""
+    import h2.errors
+    if "_handle_event" in self.__dict__:          # mitmproxy closed it (self._handle_event = self.done)
+        return
+    if not _h2_head_open(self):
+        self._cubegate_head_since = None
+        return
+    started = self.__dict__.setdefault("_cubegate_head_since", None) or time.monotonic()
+    self._cubegate_head_since = started
+    left = seconds - (time.monotonic() - started)
+    if left <= 0:
+        self._cubegate_head_since = None
+        yield CubegateHeadTimeoutHook(self.context.client)
+        yield from self.protocol_error(f"request head not complete within {seconds:g}s",
+                                       error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+    elif self.__dict__.get("_cubegate_head_wakeup") is None:
+        wake = self._cubegate_head_wakeup = _commands.RequestWakeup(left)
+        yield wake
+
+
+def _install_h2_head_deadline(seconds: float | None) -> None:
+    cls = _http2.Http2Server
+    original = getattr(cls.__dict__["_handle_event"], "_cubegate_original", cls.__dict__["_handle_event"])
+
+    def _handle_event(self, event):
+        if seconds and isinstance(event, _events.Wakeup) and event.command is self.__dict__.get("_cubegate_head_wakeup"):
+            self._cubegate_head_wakeup = None
+            yield from _h2_head_clock(self, seconds)
+            return
+        yield from original(self, event)
+        if seconds and isinstance(event, _events.DataReceived):
+            yield from _h2_head_clock(self, seconds)
+
+    _handle_event._cubegate_original = original
+    _handle_event._cubegate_head_timeout = seconds
+    cls._handle_event = _handle_event
+
+
+def head_deadline_installed() -> float | None:
+    a = getattr(_http1.Http1Server.read_headers, "_cubegate_head_timeout", None)
+    b = getattr(_http1.Http1Server._handle_event, "_cubegate_head_timeout", None)
+    c = getattr(_http2.Http2Server.__dict__["_handle_event"], "_cubegate_head_timeout", None)
+    return a if a == b == c else None
+
+
+# -- bytes queued while a hook runs ---------------------------------------------------------
+# A layer that waits on a hook (requestheaders on DNS, next_layer, server_connect, ...) queues
+# every event behind it (Layer._paused_event_queue, NextLayer.events), and mitmproxy's handler
+# keeps reading the client meanwhile: every byte limit of ours is checked only after the hook,
+# so a sandbox could park GBs in those seconds. While a blocking hook or an upstream open is
+# pending on a connection, the bytes read from its client count as queued; past the bound the
+# handler stops reading that client (TCP backpressure, never a drop) until nothing is pending,
+# when mitmproxy has replayed the queue. No hook of ours waits on the client's bytes, so the
+# wait ends. A wait for one of mitmproxy's 5 upstream slots per address is not counted: it can
+# end only when another stream of the same client finishes, which may need the client's bytes.
+class HookQueueBound:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.pending = 0
+        self.queued = 0
+        self.opening: set = set()           # OpenConnection commands not yet answered
+        self._room = None
+
+    def begin(self) -> None:
+        self.pending += 1
+
+    def end(self) -> None:
+        self.pending = max(0, self.pending - 1)
+        if not self.pending:
+            self.queued = 0                 # mitmproxy replayed everything it held
+            if self._room is not None and not self._room.done():
+                self._room.set_result(None)
+
+    def read(self, n: int) -> None:
+        if self.pending:
+            self.queued += n
+
+    async def room(self) -> None:
+        import asyncio
+        while self.pending and self.queued > self.limit:
+            self._room = asyncio.get_running_loop().create_future()
+            await self._room
+
+
+class _BoundedReader:
+    """The client's reader: waits for room before each read (ConnectionHandler.handle_connection)."""
+
+    def __init__(self, inner, bound: HookQueueBound) -> None:
+        self._inner = inner
+        self._bound = bound
+
+    async def read(self, n: int = -1) -> bytes:
+        await self._bound.room()
+        data = await self._inner.read(n)
+        self._bound.read(len(data))
+        return data
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _SlotWait:
+    """One of mitmproxy's per-address upstream semaphores: its wait is not counted as pending."""
+
+    def __init__(self, sem, bound: HookQueueBound) -> None:
+        self._sem = sem
+        self._bound = bound
+
+    async def __aenter__(self):
+        if not self._sem.locked():
+            return await self._sem.acquire()
+        self._bound.end()
+        try:
+            return await self._sem.acquire()
+        finally:
+            self._bound.begin()
+
+    async def __aexit__(self, *exc):
+        self._sem.release()
+
+
+def _queue_bound(handler) -> HookQueueBound | None:
+    return handler.__dict__.get("_cubegate_queue")
+
+
+def install_hook_queue_bound() -> None:
+    from mitmproxy.proxy import server
+
+    cls = server.ConnectionHandler
+    if getattr(cls.hook_task, "_cubegate", False):
+        return
+    hook_task, open_connection, server_event = cls.hook_task, cls.open_connection, cls.server_event
+
+    def counted_hook_task(self, hook):
+        # called synchronously by server_event: pending from the moment the layer paused
+        bound = _queue_bound(self)
+        if bound is None or not hook.blocking:
+            return hook_task(self, hook)
+        bound.begin()
+
+        async def run():
+            try:
+                await hook_task(self, hook)   # ends after HookCompleted was handled (queue replayed)
+            finally:
+                bound.end()
+        return run()
+
+    def counted_open_connection(self, command):
+        bound = _queue_bound(self)
+        if bound is None:
+            return open_connection(self, command)
+        bound.begin()
+        bound.opening.add(command)
+
+        async def run():
+            try:
+                await open_connection(self, command)
+            finally:
+                if command in bound.opening:   # cancelled before its answer
+                    bound.opening.discard(command)
+                    bound.end()
+        return run()
+
+    async def counted_server_event(self, event):
+        await server_event(self, event)
+        bound = _queue_bound(self)
+        if bound is not None and bound.opening and isinstance(event, _events.OpenConnectionCompleted) \
+                and event.command in bound.opening:
+            bound.opening.discard(event.command)
+            bound.end()
+
+    for f in (counted_hook_task, counted_open_connection, counted_server_event):
+        f._cubegate = True
+    cls.hook_task, cls.open_connection, cls.server_event = counted_hook_task, counted_open_connection, \
+        counted_server_event
+
+
+def hook_queue_bound_installed() -> bool:
+    from mitmproxy.proxy import server
+    cls = server.ConnectionHandler
+    return all(getattr(f, "_cubegate", False) for f in (cls.hook_task, cls.open_connection, cls.server_event))
+
+
+def bound_hook_queue(client_id: str, limit: int) -> HookQueueBound | None:
+    """From the client_connected hook (before mitmproxy starts reading that client)."""
+    import collections
+
+    handler = _handler(client_id)
+    if handler is None:
+        return None
+    bound = handler._cubegate_queue = HookQueueBound(limit)
+    slot = handler.max_conns.default_factory
+    handler.max_conns = collections.defaultdict(lambda: _SlotWait(slot(), bound))
+    wrap_reader(client_id, handler.client, lambda reader: _BoundedReader(reader, bound))
+    return bound

@@ -9,7 +9,8 @@ Zone file::
       "ula.evil.test": ["fd00::1"],
       "rebind.allowed.test": {"alternate": ["198.18.0.10", "127.0.0.1"]},
       "slow.test": {"addrs": ["198.18.0.19"], "ttl": 60},
-      "*.wild.test": ["198.18.0.10"]                   # every name below wild.test (not wild.test)
+      "*.wild.test": ["198.18.0.10"],                  # every name below wild.test (not wild.test)
+      "held.test": {"addrs": ["198.18.0.10"], "delay": 1.5}   # answered 1.5 s late (a hook held)
     }
 
 Plain entries answer with TTL 1; ``alternate`` entries answer one address per
@@ -27,6 +28,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections import defaultdict
 
 from dnslib import AAAA, QTYPE, RCODE, RR, A
@@ -103,6 +105,9 @@ class ZoneResolver(BaseResolver):
             self._reload()
             found = self._answers(name, qtype) if qtype in ("A", "AAAA") else (
                 [] if self._lookup(name) is not None else None)
+            entry = self._lookup(name)
+        if isinstance(entry, dict) and entry.get("delay"):
+            time.sleep(min(float(entry["delay"]), 10.0))   # this query's thread only (ThreadingMixIn)
         if found is None:
             reply.header.rcode = RCODE.NXDOMAIN
             result = "NXDOMAIN"

@@ -255,6 +255,13 @@ async def case_client_disconnected(p, monkeypatch, tctx):
     return None
 
 
+def case_cubegate_head_timeout(p, monkeypatch, tctx):
+    client = connected(p)
+    breaks(p.gate, "_count", monkeypatch)
+    p.gate.cubegate_head_timeout(client)     # a later head timed out inside mitmproxy (egress.mitm_internals)
+    return p.gate.conns[client.id]
+
+
 CASES = {name[len("case_"):]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}
 
 

@@ -127,3 +127,64 @@ def test_hook_table_replicates_addonmanagers_dispatch():
     changers = {n for n, f in vars(addonmanager.AddonManager).items() if inspect.isfunction(f)
                 and any(w in inspect.getsource(f) for w in ("self.chain =", "self.chain.append(", "self.lookup["))}
     assert changers <= {"register", "add", "remove", "clear", "__init__"}, changers
+
+
+def test_every_head_deadline_reaches_what_it_patches():
+    """install_head_limit(..., head_timeout): the clock lives on Http1Server (its buf and state),
+    its wakeup comes back through HttpLayer's command_sources, and the gate hears of a refusal
+    through a non-blocking StartHook."""
+    from mitmproxy import hooks
+    from mitmproxy.proxy.layers import http as layers_http
+    mitm_internals.install_head_limit(48 * 1024, 2.0)
+    assert mitm_internals.head_deadline_installed() == 2.0
+    handle = inspect.getsource(_http1.Http1Server._handle_event._cubegate_original)
+    assert "self.buf += event.data" in handle and "yield from self.state(event)" in handle
+    read = inspect.getsource(_http1.Http1Server.read_headers._cubegate_original)
+    assert "self.state = self.read_body" in read and "self.state = self.done" in read
+    assert "def done" in inspect.getsource(_http1.Http1Connection)
+    route = inspect.getsource(layers_http.HttpLayer.event_to_child)
+    assert "isinstance(command, commands.RequestWakeup)" in route and "self.command_sources[command] = child" in route
+    assert "self.command_sources.pop(event.command)" in inspect.getsource(layers_http.HttpLayer._handle_event)
+    assert "if hook.blocking:" in inspect.getsource(server.ConnectionHandler.hook_task)
+    assert hooks.all_hooks["cubegate_head_timeout"] is mitm_internals.CubegateHeadTimeoutHook
+    assert mitm_internals.CubegateHeadTimeoutHook.blocking is False
+    from egress.gate import PolicyGate
+    from egress.hook_guard import hook_names
+    assert "cubegate_head_timeout" in hook_names(PolicyGate)      # guarded: fails closed like every hook
+    # HTTP/2: h2 holds an unfinished header block in its FrameBuffer, a partial frame in _data
+    import h2.config
+    import h2.connection
+    from hyperframe.frame import HeadersFrame
+    from mitmproxy.proxy.layers.http import _http2
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    h2c.initiate_connection()
+    h2c.receive_data(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+    frame = HeadersFrame(1, data=b"\x82", flags=[]).serialize()       # no END_HEADERS
+    h2c.receive_data(frame)
+    assert h2c.incoming_buffer._headers_buffer and not h2c.incoming_buffer._data
+    h2c.receive_data(HeadersFrame(3, data=b"\x82").serialize()[:5])
+    assert bytes(h2c.incoming_buffer._data[3:4]) == b"\x01"                # type byte of the partial frame
+    assert "self.h2_conn.receive_data(event.data)" in inspect.getsource(_http2.Http2Connection)
+    assert "def protocol_error" in inspect.getsource(_http2.Http2Connection)
+    assert "self._handle_event = self.done" in inspect.getsource(_http2.Http2Connection.close_connection)
+    mitm_internals.install_head_limit(48 * 1024)                  # none: back to no deadline
+    assert mitm_internals.head_deadline_installed() is None
+
+
+def test_hook_queue_bound_reaches_what_it_patches():
+    """install_hook_queue_bound counts what ConnectionHandler starts for a paused layer (hook_task
+    for a blocking hook, open_connection) and stops reading the client through its reader: when
+    mitmproxy changes how it reads, pauses or opens, this fails."""
+    mitm_internals.install_hook_queue_bound()
+    mitm_internals.install_hook_queue_bound()                    # idempotent
+    assert mitm_internals.hook_queue_bound_installed()
+    original = inspect.getsource(server)          # the module's text: our patches replaced the methods
+    for piece in ("self.hook_task(command)", "self.open_connection(command)", "await self.server_event(events.HookCompleted(hook))",
+                  "events.OpenConnectionCompleted(command, None)", "reader = self.transports[connection].reader",
+                  "data = await reader.read(65535)", "async with self.max_conns[command.connection.address]:",
+                  "collections.defaultdict(lambda: asyncio.Semaphore(5))"):
+        assert piece in original, piece
+    from mitmproxy.proxy import layer
+    paused = inspect.getsource(layer.Layer.handle_event)
+    assert "command.blocking = self" in paused and "self._paused_event_queue.append(event)" in paused
+    assert "while not self._paused and self._paused_event_queue:" in inspect.getsource(layer.Layer)
