@@ -32,7 +32,7 @@ from egress.bodies import (BodyLimits, BodyRefused, BufferBudget, RefusedRespons
 from egress.http_checks import (PROXY_ONLY_HEADERS, Refusal, check_framing, check_header_limits,
                                 check_request_authority, is_websocket_upgrade, transparent_host)
 from egress.conn_state import ConnectionClaims, ConnState
-from egress.destination import AGENT_HOST, decide_destination, needs_interception
+from egress.destination import AGENT_HOST, connected_refusal, decide_destination, needs_interception
 from egress.identity import Identity, IdentityStore
 from egress import records
 from egress.metrics import GatewayMetrics
@@ -1148,13 +1148,16 @@ class PolicyGate:
         peer = data.server.peername
         if st is None or peer is None:
             return
-        reason = self.guard.check(peer[0], peer[1])
+        sandbox = st.identity.sandbox_id if st.identity else ""
+        reason = connected_refusal(self.guard, self.policies.current, sandbox, peer[0], peer[1])
         st.upstream = f"{peer[0]}:{peer[1]}"
         if reason is not None:
-            # Should be impossible (the resolver filtered it); close rather than trust.
-            st.kind, st.denied_reason = "denied", f"ssrf_{reason}"
-            self._audit("decision", st, decision="deny", reason=f"ssrf_{reason}", upstream=st.upstream)
-            self._count(st, "deny", f"ssrf_{reason}", "upstream")
+            # The SSRF guard's half should be impossible (the resolver filtered it); the policy's deny
+            # CIDRs are checked here on the address mitmproxy's own lookup chose (an answer that
+            # changed since the decision): close before a byte is sent rather than trust.
+            st.kind, st.denied_reason = "denied", reason
+            self._audit("decision", st, decision="deny", reason=reason, upstream=st.upstream)
+            self._count(st, "deny", reason, "upstream")
             self._kill_client(data.client)
             return
         self._wrap_reader(data.server, "in", st)

@@ -33,7 +33,7 @@ from typing import Any
 
 from egress import netguard, records
 from egress.bodies import (BodyRefused, RequestLeakStream, check_request_body, make_decoder)
-from egress.destination import AGENT_HOST, decide_destination, needs_interception
+from egress.destination import AGENT_HOST, connected_refusal, decide_destination, keep_undenied, needs_interception
 from egress.fastpath import http1
 from egress.fastpath.dial import dial
 from egress.http_checks import (PROXY_ONLY_HEADERS, Refusal, check_framing, check_header_limits,
@@ -784,6 +784,10 @@ class PlainConn(asyncio.Protocol):
             except netguard.DestinationUnresolvable as e:
                 self._upstream_failed("unresolvable", str(e))
                 return False
+            addresses, refusal = keep_undenied(gate.policies.current, st.sandbox, st.host, addresses, st.port)
+            if refusal is not None:
+                self._upstream_failed(refusal.reason, refusal.detail)
+                return False
             if self.lost:
                 return False
         up = _Upstream(self)
@@ -802,11 +806,11 @@ class PlainConn(asyncio.Protocol):
         self.up = up
         peer = transport.get_extra_info("peername")
         st.upstream = f"{peer[0]}:{peer[1]}"
-        blocked = gate.guard.check(peer[0], peer[1])
+        blocked = connected_refusal(gate.guard, gate.policies.current, st.sandbox, peer[0], peer[1])
         if blocked is not None or self.lost or self.revoked:
             if blocked is not None:   # should be impossible (the resolver filtered it); close rather than trust
-                st.kind, st.denied_reason = "denied", f"ssrf_{blocked}"
-                self.fp._audit("decision", st, decision="deny", reason=f"ssrf_{blocked}", upstream=st.upstream)
+                st.kind, st.denied_reason = "denied", blocked
+                self.fp._audit("decision", st, decision="deny", reason=blocked, upstream=st.upstream)
             self._abort()
             return False
         return True
