@@ -330,12 +330,12 @@ class SandboxDns:
             self._answered(sandbox, qname, qtype, 0, scope)
             reply.header.rcode = RCODE.SERVFAIL
             return reply.pack()
-        addrs, refusal = keep_undenied(policies, sandbox, qname, addrs, None)
-        if refusal is not None:
+        addrs, denied = keep_undenied(policies, sandbox, None, addrs, None)
+        if denied is not None:
             # Every address is in a deny CIDR of the policy: the sandbox learns none of them (the
             # gateway would refuse the connect anyway, on every path).
             self.metrics.queries.labels(sandbox, "denied_address").inc()
-            if not self._deny(ident, client, qname, refusal.reason, q.qtype):
+            if not self._deny(ident, client, qname, denied.reason, q.qtype, rule=denied.rule):
                 reply.header.rcode = RCODE.SERVFAIL
             return reply.pack()
         want = socket.AF_INET if q.qtype == QTYPE.A else socket.AF_INET6

@@ -117,29 +117,31 @@ async def decide_destination(st: ConnState, raw_host: str, port: int, *, policie
         decision = cache.decide(policy, req) if cache is not None else policy.decide(req)
         if decision.action != "allow":
             return Verdict(decision, None)
-    kept, refusal = keep_undenied(policy, identity.sandbox_id, host, addresses, port)
-    if refusal is not None:
-        return Verdict(decision, refusal)
+    kept, denied = keep_undenied(policy, identity.sandbox_id, decision, addresses, port)
+    if denied is not None:
+        return Verdict(denied, None)
     return Verdict(decision, None, kept)
 
 
-def keep_undenied(policy, sandbox_id: str, host: str, addresses, port: int | None
-                  ) -> tuple[tuple[tuple[int, str], ...], Refusal | None]:
-    """The guarded (family, ip) answers for name `host` that no deny CIDR of the policy in force
+def keep_undenied(policy, sandbox_id: str, decision: Decision | None, addresses, port: int | None
+                  ) -> tuple[tuple[tuple[int, str], ...], Decision | None]:
+    """The guarded (family, ip) answers for an allowed name that no deny CIDR of the policy in force
     covers (global `denied_cidrs`, the sandbox's network-options deny address entries): the one
-    post-resolution policy check, next to the SSRF guard's. Pure. A Refusal when none is left."""
+    post-resolution policy check, next to the SSRF guard's. Pure. When none is left, the deny
+    Decision in place of `decision` (rule: the denying range or entry), enforced in any mode."""
     kept, first = [], None
     for family, ip in addresses:
         denial = policy.address_denial(sandbox_id, ip, port)
         if denial is None:
             kept.append((family, ip))
         elif first is None:
-            first = (denial, ip)
+            first = denial
     if kept or first is None:
         return tuple(kept), None
-    (reason, entry), ip = first
-    by = f" (denied by {entry})" if entry else ""
-    return (), Refusal(403, reason, f"{host} resolves to {ip}, in a denied range{by}")
+    reason, entry = first
+    by = f"network:{sandbox_id}" if reason == "resolved_sandbox_network_deny" else "global"
+    return (), Decision("deny", reason, entry, by, "enforce", False, False,
+                        decision.tenant if decision is not None else None)
 
 
 def needs_interception(decision: Decision, credentials, host: str, port: int) -> bool:

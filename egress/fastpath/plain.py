@@ -784,9 +784,9 @@ class PlainConn(asyncio.Protocol):
             except netguard.DestinationUnresolvable as e:
                 self._upstream_failed("unresolvable", str(e))
                 return False
-            addresses, refusal = keep_undenied(gate.policies.current, st.sandbox, st.host, addresses, st.port)
-            if refusal is not None:
-                self._upstream_failed(refusal.reason, refusal.detail)
+            addresses, denied = keep_undenied(gate.policies.current, st.sandbox, st.decision, addresses, st.port)
+            if denied is not None:
+                self._upstream_failed(denied.reason, f"{st.host} resolves only into a denied range ({denied.rule})")
                 return False
             if self.lost:
                 return False
