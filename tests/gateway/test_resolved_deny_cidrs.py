@@ -178,3 +178,26 @@ def test_transparent_sni_and_host_resolving_into_a_global_deny_cidr_are_refused(
     # control
     r = _sandbox_curl(lab, net, "https://api.allowed.test/rdc-t-ok", "--resolve", "api.allowed.test:443:198.18.0.10")
     assert r.returncode == 0 and r.stdout.rstrip().endswith("200"), (r, gw.log())
+
+
+FLIP = "rdc-flip.allowed.test"   # alternates an allowed address and DENIED_IP, TTL 0
+
+
+def test_a_rebinding_answer_into_a_deny_cidr_is_never_sent_a_request(gw):
+    """The decision's answer and the connect's may differ (TTL 0): on the fast path only the decided
+    (filtered) addresses are dialled; through mitmproxy, which resolves again, the address it
+    connected to is checked before a byte is sent."""
+    gw.lab.set_zone(FLIP, {"alternate": ["198.18.0.10", DENIED_IP]})
+    try:
+        results = [gw.curl(f"http://{FLIP}/rdc-flip-{i}") for i in range(6)]
+    finally:
+        gw.lab.set_zone(FLIP, None)
+    # (through mitmproxy the rotation keeps step: the decision sees the allowed answer, the connect the
+    # denied one, so every request is refused there, 502; on the fast path every other one is answered)
+    assert all(r.status in (200, 403, 502) for r in results), results
+    recs = [r for r in gw.audit_records() if r.get("host") == FLIP]
+    upstreams = [r["upstream"] for r in recs if r.get("upstream")]
+    assert all(u.startswith("198.18.0.10:") for u in upstreams), upstreams
+    assert any(r.get("reason") == "resolved_global_deny" for r in recs), recs
+    reached = [line for line in gw.lab.logs("upstream").splitlines() if "rdc-flip" in line]
+    assert not any(line.startswith("denied.test ") for line in reached), reached
