@@ -144,14 +144,16 @@ def test_control_a_name_resolving_outside_the_ranges_still_works(gw):
 # ---------------------------------------------------------------- transparent
 
 TPORT = 18066
+HUB_IP = "10.200.0.1"    # cubevs hub gateway address: the sandbox resolver listens there
 T_SANDBOX = "sb-rdc"
 _NO_PROXY_ENV = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
 
 
 @pytest.fixture(scope="module")
 def tlab(lab, zone, tmp_path_factory):
+    dns = {"listen_host": HUB_IP, "port": 53, "audit_interval_seconds": 1.0}
     with switch_lab(lab, tmp_path_factory.mktemp("rdct"), POLICY, sandbox=T_SANDBOX, tport=TPORT,
-                    prefix="cz") as env:
+                    prefix="cz", settings_extra={"dns": dns}) as env:
         yield env
 
 
@@ -201,3 +203,15 @@ def test_a_rebinding_answer_into_a_deny_cidr_is_never_sent_a_request(gw):
     assert any(r.get("reason") == "resolved_global_deny" for r in recs), recs
     reached = [line for line in gw.lab.logs("upstream").splitlines() if "rdc-flip" in line]
     assert not any(line.startswith("denied.test ") for line in reached), reached
+
+
+def test_sandbox_dns_answers_no_address_in_a_deny_cidr(tlab):
+    gw, _, net = tlab
+    argv = ["nsenter", f"--net=/run/netns/{net.netns}", "dig", "+time=3", "+tries=2", f"@{HUB_IP}"]
+    r = subprocess.run([*argv, SNEAKY], capture_output=True, text=True, timeout=20, env=_NO_PROXY_ENV)
+    assert r.returncode == 0 and "status: NOERROR" in r.stdout and DENIED_IP not in r.stdout, (r, gw.log())
+    rec = gw.wait_record(lambda x: x["event"] == "dns" and x.get("host") == SNEAKY and x.get("decision") == "deny")
+    assert rec["reason"] == "resolved_global_deny" and rec["extra"]["rule"] == f"{DENIED_IP}/32", rec
+    ok = subprocess.run([*argv, "+short", "api.allowed.test"], capture_output=True, text=True, timeout=20,
+                        env=_NO_PROXY_ENV)
+    assert ok.stdout.split() == ["198.18.0.10"], ok
