@@ -188,7 +188,8 @@ class PolicyGate:
                 continue
             out.append(OpenConnection(st.conn_id, st.identity.sandbox_id, st.host, st.port,
                                       labels=st.identity.labels, ip_literal=st.ip_literal, kind=st.kind,
-                                      issued=st.identity.issued, transparent=st.transparent))
+                                      issued=st.identity.issued, transparent=st.transparent,
+                                      upstream_ip=st.upstream.rpartition(":")[0] if st.upstream else None))
         return out + [c for c, _ in self.registered.items()]
 
     def revoke_where(self, predicate: Predicate) -> list[tuple[OpenConnection, str]]:

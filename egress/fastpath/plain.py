@@ -595,7 +595,9 @@ class PlainConn(asyncio.Protocol):
         self.gate.register_connection(OpenConnection(st.conn_id, st.identity.sandbox_id, st.host, st.port,
                                                      labels=st.identity.labels, ip_literal=st.ip_literal,
                                                      kind="http", issued=st.identity.issued,
-                                                     transparent=st.transparent), self.revoke)
+                                                     transparent=st.transparent,
+                                                     upstream_ip=st.upstream.rpartition(":")[0] if st.upstream else None),
+                                      self.revoke)
 
     # ---------------------------------------------------------- forwarding
     async def _forward(self, head, target: Target, addresses, plan, path_s: str, t0: float) -> bool:
@@ -813,6 +815,7 @@ class PlainConn(asyncio.Protocol):
                 self.fp._audit("decision", st, decision="deny", reason=blocked, upstream=st.upstream)
             self._abort()
             return False
+        self._register()   # again, with the address connected to (revocable by a deny CIDR added later)
         return True
 
     def _upstream_failed(self, reason: str, error: str) -> None:

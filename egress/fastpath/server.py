@@ -216,7 +216,9 @@ class FastPath:
         self.gate.register_connection(OpenConnection(st.conn_id, st.identity.sandbox_id, st.host, st.port,
                                                      labels=st.identity.labels, ip_literal=st.ip_literal,
                                                      kind="passthrough", issued=st.identity.issued,
-                                                     transparent=st.transparent), c.revoke)
+                                                     transparent=st.transparent,
+                                                     upstream_ip=st.upstream.rpartition(":")[0] if st.upstream else None),
+                                      c.revoke)
 
     def _forget(self, c: "_Conn", *, audit: bool) -> None:
         self.conns.discard(c)
@@ -450,6 +452,7 @@ class FastPath:
                 self._audit("decision", st, decision="deny", reason=blocked, upstream=st.upstream)
             c.finish(None)
             return
+        self._register(c)   # again, with the address connected to (revocable by a deny CIDR added later)
         first = bytes(c.buf)
         c.buf.clear()
         c.relay = relay

@@ -215,3 +215,40 @@ def test_sandbox_dns_answers_no_address_in_a_deny_cidr(tlab):
     ok = subprocess.run([*argv, "+short", "api.allowed.test"], capture_output=True, text=True, timeout=20,
                         env=_NO_PROXY_ENV)
     assert ok.stdout.split() == ["198.18.0.10"], ok
+
+
+def _reloads(gw) -> float:
+    import re
+    text = gw.ops_status("/metrics")[1]
+    m = re.search(r'^cubegate_policy_reloads_total\{result="ok"\} ([0-9.e+]+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _write_and_wait(gw, path, text: str) -> None:
+    import time as _time
+    before = _reloads(gw)
+    path.write_text(text)
+    deadline = _time.monotonic() + 10
+    while _reloads(gw) <= before:
+        assert _time.monotonic() < deadline, "policy not reloaded"
+        _time.sleep(0.1)
+
+
+def test_a_deny_cidr_added_later_closes_open_connections_to_names_resolving_into_it(gw):
+    """Revocation re-decides an open connection by its name and by the address it is connected to."""
+    from tests.gateway.test_fastpath_policy import _hold_then
+
+    policy_file = gw.policy_dir / "rdc.yaml"
+    widened = POLICY.replace(f"denied_cidrs: [{DENIED_IP}/32]", f"denied_cidrs: [{DENIED_IP}/32, 198.18.0.10/32]")
+    assert widened != POLICY
+
+    def change():
+        _write_and_wait(gw, policy_file, widened)
+        return 200
+
+    try:
+        held = _hold_then(gw, "api.allowed.test", change)
+    finally:
+        _write_and_wait(gw, policy_file, POLICY)
+    assert held["closed"] and held["after_s"] < 3, held
+    gw.wait_record(lambda r: r.get("host") == "api.allowed.test" and r.get("reason") == "policy_revoked")
