@@ -10,6 +10,9 @@ same lookup transparent mode uses) gets:
   returns (private/loopback/metadata addresses already removed), TTL 30, no
   CNAMEs; an allowed name whose every address is refused by the guard gets an
   empty NOERROR answer and a deny audit record (reason ssrf_<guard reason>, as the gate);
+  addresses in a deny CIDR of the policy (global, or the sandbox's network-options deny
+  address entries for every port) are dropped too, and none left is the same empty answer
+  with reason resolved_global_deny / resolved_sandbox_network_deny;
 - other query types for an allowed name: empty NOERROR; opcodes other than
   QUERY: NOTIMP.
 
@@ -46,7 +49,7 @@ from prometheus_client import CollectorRegistry, Counter
 from cubegate.dns_accounting import (FULL, LIMITED, MAX_DENIALS_PER_INTERVAL, AnswerAggregator, Interval,
                                      NewNameLimiter)
 from egress.audit.record import make_record, now_ts
-from egress.destination import AGENT_HOST
+from egress.destination import AGENT_HOST, keep_undenied
 from egress.netguard import DestinationBlocked, DestinationUnresolvable
 
 log = logging.getLogger("cubegate.dns")
@@ -348,6 +351,14 @@ class SandboxDns:
             log.warning("sandbox DNS: resolving %s failed: %s", qname, e)
             self._answered(sandbox, qname, qtype, 0, scope)
             reply.header.rcode = RCODE.SERVFAIL
+            return reply.pack()
+        addrs, denied = keep_undenied(policies, sandbox, None, addrs, None)
+        if denied is not None:
+            # Every address is in a deny CIDR of the policy: the sandbox learns none of them (the
+            # gateway would refuse the connect anyway, on every path).
+            self.metrics.queries.labels(sandbox, "denied_address").inc()
+            if not self._deny(ident, client, qname, denied.reason, q.qtype, rule=denied.rule):
+                reply.header.rcode = RCODE.SERVFAIL
             return reply.pack()
         want = socket.AF_INET if q.qtype == QTYPE.A else socket.AF_INET6
         for family, ip in addrs:

@@ -1,4 +1,5 @@
-"""A destination, decided: host parsed and normalised once, SSRF guard, policy, guarded resolve.
+"""A destination, decided: host parsed and normalised once, SSRF guard, policy, guarded resolve,
+the policy's deny CIDRs on the resolved addresses.
 
 Shared by the mitmproxy gate and the fast path. No upstream I/O but DNS.
 """
@@ -116,9 +117,43 @@ async def decide_destination(st: ConnState, raw_host: str, port: int, *, policie
         decision = cache.decide(policy, req) if cache is not None else policy.decide(req)
         if decision.action != "allow":
             return Verdict(decision, None)
-    return Verdict(decision, None, tuple(addresses))
+    kept, denied = keep_undenied(policy, identity.sandbox_id, decision, addresses, port)
+    if denied is not None:
+        return Verdict(denied, None)
+    return Verdict(decision, None, kept)
+
+
+def keep_undenied(policy, sandbox_id: str, decision: Decision | None, addresses, port: int | None
+                  ) -> tuple[tuple[tuple[int, str], ...], Decision | None]:
+    """The guarded (family, ip) answers for an allowed name that no deny CIDR of the policy in force
+    covers (global `denied_cidrs`, the sandbox's network-options deny address entries): the one
+    post-resolution policy check, next to the SSRF guard's. Pure. When none is left, the deny
+    Decision in place of `decision` (rule: the denying range or entry), enforced in any mode."""
+    kept, first = [], None
+    for family, ip in addresses:
+        denial = policy.address_denial(sandbox_id, ip, port)
+        if denial is None:
+            kept.append((family, ip))
+        elif first is None:
+            first = denial
+    if kept or first is None:
+        return tuple(kept), None
+    reason, entry = first
+    by = f"network:{sandbox_id}" if reason == "resolved_sandbox_network_deny" else "global"
+    return (), Decision("deny", reason, entry, by, "enforce", False, False,
+                        decision.tenant if decision is not None else None)
 
 
 def needs_interception(decision: Decision, credentials, host: str, port: int) -> bool:
     """The one predicate for 'this flow must be decrypted': method/path rules or a credential binding."""
     return decision.needs_inspection or credentials.needs_interception(decision.tenant, host, port)
+
+
+def connected_refusal(guard: netguard.AddressGuard, policy, sandbox_id: str | None, ip: str, port: int) -> str | None:
+    """The reason to drop a connection just made to `ip:port` (before a byte is sent), or None:
+    the SSRF guard, then the policy's deny CIDRs for the sandbox. Pure."""
+    reason = guard.check(ip, port)
+    if reason is not None:
+        return f"ssrf_{reason}"
+    denial = policy.address_denial(sandbox_id or "", ip, port) if policy is not None else None
+    return denial[0] if denial is not None else None

@@ -32,7 +32,7 @@ from egress.bodies import (BodyLimits, BodyRefused, BufferBudget, RefusedRespons
 from egress.http_checks import (PROXY_ONLY_HEADERS, Refusal, check_framing, check_header_limits,
                                 check_request_authority, is_websocket_upgrade, transparent_host)
 from egress.conn_state import ConnectionClaims, ConnState
-from egress.destination import AGENT_HOST, decide_destination, needs_interception
+from egress.destination import AGENT_HOST, connected_refusal, decide_destination, keep_undenied, needs_interception
 from egress.identity import Identity, IdentityStore
 from egress import records
 from egress.audit.record import now_ts
@@ -169,6 +169,7 @@ class PolicyGate:
         self.connect_timeout = connect_timeout
         self._connect_timers: dict[str, asyncio.TimerHandle] = {}
         self._connect_timeouts: set[str] = set()
+        self._connect_refusals: dict[str, str] = {}   # upstream connection id -> the policy's reason it was not dialled
         self.conns: dict[str, ConnState] = {}
         self.max_connections_per_sandbox = max_connections_per_sandbox
         self.body_limits = body_limits or BodyLimits()
@@ -198,7 +199,8 @@ class PolicyGate:
                 continue
             out.append(OpenConnection(st.conn_id, st.identity.sandbox_id, st.host, st.port,
                                       labels=st.identity.labels, ip_literal=st.ip_literal, kind=st.kind,
-                                      issued=st.identity.issued, transparent=st.transparent))
+                                      issued=st.identity.issued, transparent=st.transparent,
+                                      upstream_ip=st.upstream.rpartition(":")[0] if st.upstream else None))
         return out + [c for c, _ in self.registered.items()]
 
     def revoke_where(self, predicate: Predicate) -> list[tuple[OpenConnection, str]]:
@@ -1103,7 +1105,7 @@ class PolicyGate:
         mitm_internals.abort_now(flow.client_conn.id, flow.client_conn, flow.server_conn)
 
     # ------------------------------------------------------------ upstream side
-    def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
+    async def server_connect(self, data: server_hooks.ServerConnectionHookData) -> None:
         st = self.conns.get(data.client.id)
         address = data.server.address
         if st is None or st.kind == "denied" or address is None:
@@ -1130,6 +1132,8 @@ class PolicyGate:
         if st.host is not None and (host != st.host or port != st.port):
             data.server.error = f"cubegate: upstream {host}:{port} is not the decided destination {st.host}:{st.port}"
             return
+        if literal is None and not await self._pin_address(st, data.server, host, port):
+            return
         if not self._claim_upstream(st, data.server):
             data.server.error = _UPSTREAM_LIMIT
             return
@@ -1138,6 +1142,24 @@ class PolicyGate:
             # sandbox for the kernel's SYN retries (~2 min).
             self._connect_timers[data.server.id] = asyncio.get_running_loop().call_later(
                 self.connect_timeout, self._connect_timed_out, data.client, data.server)
+
+    async def _pin_address(self, st: ConnState, server: connection.Server, host: str, port: int) -> bool:
+        """Resolve `host` here (guarded), drop the answers a deny CIDR of the policy covers, and have
+        mitmproxy dial the first address left: never the name, which it would resolve again (an answer
+        that changed since the decision could lead into a denied range). The SNI was set already."""
+        try:
+            addresses = await self.resolver.resolve(host, port)
+        except (netguard.DestinationBlocked, netguard.DestinationUnresolvable) as e:
+            server.error = f"cubegate: {e}"   # "blocked destination ..." / "cannot resolve ...", as getaddrinfo's
+            return False
+        sandbox = st.identity.sandbox_id if st.identity else ""
+        kept, denied = keep_undenied(self.policies.current, sandbox, st.decision, addresses, port)
+        if denied is not None:
+            self._connect_refusals[server.id] = denied.reason
+            server.error = f"cubegate: {host} resolves only into a denied range ({denied.rule}): {denied.reason}"
+            return False
+        server.address = (kept[0][1], port)
+        return True
 
     def _claim_upstream(self, st: ConnState, server: connection.Server) -> bool:
         """Upstream connections count per sandbox too: over HTTP/2 mitmproxy opens one upstream
@@ -1183,13 +1205,14 @@ class PolicyGate:
         peer = data.server.peername
         if st is None or peer is None:
             return
-        reason = self.guard.check(peer[0], peer[1])
+        sandbox = st.identity.sandbox_id if st.identity else ""
+        reason = connected_refusal(self.guard, self.policies.current, sandbox, peer[0], peer[1])
         st.upstream = f"{peer[0]}:{peer[1]}"
         if reason is not None:
-            # Should be impossible (the resolver filtered it); close rather than trust.
-            st.kind, st.denied_reason = "denied", f"ssrf_{reason}"
-            self._audit("decision", st, decision="deny", reason=f"ssrf_{reason}", upstream=st.upstream)
-            self._count(st, "deny", f"ssrf_{reason}", "upstream")
+            # Should be impossible (server_connect dials a guarded, policy-filtered address); close rather than trust.
+            st.kind, st.denied_reason = "denied", reason
+            self._audit("decision", st, decision="deny", reason=reason, upstream=st.upstream)
+            self._count(st, "deny", reason, "upstream")
             self._kill_client(data.client)
             return
         self._wrap_reader(data.server, "in", st)
@@ -1202,6 +1225,7 @@ class PolicyGate:
             return
         err = data.server.error or "connect failed"
         reason = "upstream_blocked" if "blocked destination" in err else "upstream_connect_failed"
+        reason = self._connect_refusals.pop(data.server.id, reason)
         if err == _UPSTREAM_LIMIT:
             reason = "sandbox_connection_limit"
         if timed_out:

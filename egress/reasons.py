@@ -52,6 +52,10 @@ _ALL = (
     Reason("sandbox_network_deny", "policy", "deny", (403,), "the sandbox's own network options deny the destination"),
     Reason("sandbox_network_not_allowed", "policy", "deny", (403,),
            "the sandbox's own network options list allows and none covers the destination"),
+    Reason("resolved_global_deny", "policy", "deny", (403,),
+           "a name resolved only into a global denied range (built-in metadata CIDRs, `global.denied_cidrs`)"),
+    Reason("resolved_sandbox_network_deny", "policy", "deny", (403,),
+           "a name resolved only into a range the sandbox's network options deny (a `deny` address entry)"),
 
     # ---- gateway: identity and connection
     Reason("proxy_auth_missing", "gateway", "deny", (407,), "explicit proxy: no Proxy-Authorization"),

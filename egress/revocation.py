@@ -25,6 +25,7 @@ class OpenConnection:
     kind: str = "tunnel"          # passthrough | intercept | http | tcp | the registering path's own name
     issued: float | None = None   # the identity's token (Identity.issued) it was authenticated with
     transparent: bool = False     # identified by its source address, not a token
+    upstream_ip: str | None = None  # the address connected to, once known (a name's deny CIDRs apply to it)
 
     def request(self) -> RequestInfo:
         """The destination as the CONNECT/SNI stage decides it (method and path unknown)."""
@@ -47,6 +48,10 @@ def denied_by(policy) -> Predicate:
         d = policy.decide(conn.request())
         if not d.allowed:
             return d.reason
+        if conn.upstream_ip is not None and not conn.ip_literal:
+            denial = policy.address_denial(conn.sandbox_id, conn.upstream_ip, conn.port)
+            if denial is not None:
+                return denial[0]
         if d.needs_inspection and conn.kind in BLIND_KINDS:
             if conn.kind == "passthrough":   # TLS: rules that differ by scheme only settle (as the gate does)
                 d = policy.decide(replace(conn.request(), scheme="https"))

@@ -33,7 +33,7 @@ from typing import Any
 
 from egress import netguard, records
 from egress.bodies import (BodyRefused, RequestLeakStream, check_request_body, make_decoder)
-from egress.destination import AGENT_HOST, decide_destination, needs_interception
+from egress.destination import AGENT_HOST, connected_refusal, decide_destination, keep_undenied, needs_interception
 from egress.fastpath import http1
 from egress.fastpath.dial import dial
 from egress.http_checks import (PROXY_ONLY_HEADERS, Refusal, check_framing, check_header_limits,
@@ -595,7 +595,9 @@ class PlainConn(asyncio.Protocol):
         self.gate.register_connection(OpenConnection(st.conn_id, st.identity.sandbox_id, st.host, st.port,
                                                      labels=st.identity.labels, ip_literal=st.ip_literal,
                                                      kind="http", issued=st.identity.issued,
-                                                     transparent=st.transparent), self.revoke)
+                                                     transparent=st.transparent,
+                                                     upstream_ip=st.upstream.rpartition(":")[0] if st.upstream else None),
+                                      self.revoke)
 
     # ---------------------------------------------------------- forwarding
     async def _forward(self, head, target: Target, addresses, plan, path_s: str, t0: float) -> bool:
@@ -784,6 +786,10 @@ class PlainConn(asyncio.Protocol):
             except netguard.DestinationUnresolvable as e:
                 self._upstream_failed("unresolvable", str(e))
                 return False
+            addresses, denied = keep_undenied(gate.policies.current, st.sandbox, st.decision, addresses, st.port)
+            if denied is not None:
+                self._upstream_failed(denied.reason, f"{st.host} resolves only into a denied range ({denied.rule})")
+                return False
             if self.lost:
                 return False
         up = _Upstream(self)
@@ -802,13 +808,14 @@ class PlainConn(asyncio.Protocol):
         self.up = up
         peer = transport.get_extra_info("peername")
         st.upstream = f"{peer[0]}:{peer[1]}"
-        blocked = gate.guard.check(peer[0], peer[1])
+        blocked = connected_refusal(gate.guard, gate.policies.current, st.sandbox, peer[0], peer[1])
         if blocked is not None or self.lost or self.revoked:
             if blocked is not None:   # should be impossible (the resolver filtered it); close rather than trust
-                st.kind, st.denied_reason = "denied", f"ssrf_{blocked}"
-                self.fp._audit("decision", st, decision="deny", reason=f"ssrf_{blocked}", upstream=st.upstream)
+                st.kind, st.denied_reason = "denied", blocked
+                self.fp._audit("decision", st, decision="deny", reason=blocked, upstream=st.upstream)
             self._abort()
             return False
+        self._register()   # again, with the address connected to (revocable by a deny CIDR added later)
         return True
 
     def _upstream_failed(self, reason: str, error: str) -> None:

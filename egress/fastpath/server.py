@@ -29,7 +29,7 @@ import time
 from egress import hook_guard, mitm_internals, netguard, records
 from egress.audit.record import new_id
 from egress.conn_state import ConnState
-from egress.destination import DecisionCache, decide_destination, needs_interception
+from egress.destination import DecisionCache, connected_refusal, decide_destination, needs_interception
 from egress.fastpath import heads
 from egress.fastpath.dial import dial
 from egress.fastpath.listeners import listen_sockets
@@ -223,7 +223,9 @@ class FastPath:
         self.gate.register_connection(OpenConnection(st.conn_id, st.identity.sandbox_id, st.host, st.port,
                                                      labels=st.identity.labels, ip_literal=st.ip_literal,
                                                      kind="passthrough", issued=st.identity.issued,
-                                                     transparent=st.transparent), c.revoke)
+                                                     transparent=st.transparent,
+                                                     upstream_ip=st.upstream.rpartition(":")[0] if st.upstream else None),
+                                      c.revoke)
 
     def _forget(self, c: "_Conn", *, audit: bool) -> None:
         self.conns.discard(c)
@@ -451,14 +453,15 @@ class FastPath:
             return
         # the address we dialled (a canonical literal, connected to as given): no getpeername needed
         st.upstream = f"{connected_ip}:{st.port}"
-        blocked = gate.guard.check(connected_ip, st.port)
+        blocked = connected_refusal(gate.guard, gate.policies.current, st.sandbox, connected_ip, st.port)
         if blocked is not None or c.lost or c.transport.is_closing():   # closing: revoked while connecting
             transport.abort()
             if blocked is not None:   # should be impossible (the resolver filtered it); close rather than trust
-                st.kind, st.denied_reason = "denied", f"ssrf_{blocked}"
-                self._audit("decision", st, decision="deny", reason=f"ssrf_{blocked}", upstream=st.upstream)
+                st.kind, st.denied_reason = "denied", blocked
+                self._audit("decision", st, decision="deny", reason=blocked, upstream=st.upstream)
             c.finish(None)
             return
+        self._register(c)   # again, with the address connected to (revocable by a deny CIDR added later)
         first = bytes(c.buf)
         c.buf.clear()
         c.relay = relay

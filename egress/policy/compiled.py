@@ -20,6 +20,7 @@ from .hosts import (
     normalize_host_addr,
     normalize_path,
     parse_host_pattern,
+    parse_ip,
     path_prefix_matches,
 )
 from .model import (
@@ -351,6 +352,17 @@ class CompiledPolicySet:
             needs_inspection=False,
             tenant=policy.tenant,
         )
+
+    def address_denial(self, sandbox_id: str, ip: str, port: int | None) -> tuple[str, str | None] | None:
+        """For an address a NAME resolved to (the one about to be connected to): (reason, entry) when
+        a global denied CIDR covers it, else None. IP literals are decided by decide(); this closes
+        the same ranges to names resolving into them (egress.destination filters every answer)."""
+        reason = "resolved_global_deny"
+        addr = parse_ip(ip)
+        if addr is None:
+            return reason, None   # not an address we can read: fail closed
+        hits = self._global_cidrs.lookup(addr)
+        return (reason, str(hits[0][1])) if hits else None
 
     def name_may_resolve(self, sandbox_id: str, labels: Mapping[str, str], name: str) -> bool:
         """For the DNS resolver: could any request to ``name`` (any port, method,

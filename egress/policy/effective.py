@@ -7,6 +7,9 @@ Order of one decision (on top of PRECEDENCE.md):
      (`grant_allow`); never an invalid_* or global_deny;
   3. the sandbox's network options, when it has any, may turn an allow into a
      deny (`sandbox_network_deny`, `sandbox_network_not_allowed`): they only narrow.
+After resolution, `address_denial` refuses each address of an allowed name that a
+global denied CIDR or a network-options deny address entry covers
+(`resolved_global_deny`, `resolved_sandbox_network_deny`; egress.destination).
 The SSRF guard runs after all of this in the gate, whatever was decided here.
 Time: a grant past its expiry is not in force. The decisions take `now` (unix
 seconds); left out, it is read from the injected clock, so the logic stays pure
@@ -20,7 +23,7 @@ from collections.abc import Callable, Mapping
 
 from .compiled import CompiledPolicySet
 from .grants import GrantIndex
-from .hosts import InvalidHost, normalize_host_addr
+from .hosts import InvalidHost, normalize_host_addr, parse_ip
 from .model import ALLOW, DENY, Decision, RequestInfo
 from .network import SandboxNetwork
 
@@ -87,6 +90,21 @@ class EffectivePolicy:
                 reason, entry = narrowed
                 return Decision(DENY, reason, entry, f"network:{req.sandbox_id}", "enforce", False, False, d.tenant)
         return d
+
+    def address_denial(self, sandbox_id: str, ip: str, port: int | None) -> tuple[str, str | None] | None:
+        """For an address a name resolved to: (reason, entry) when a global denied CIDR or an address
+        entry of the sandbox's network deny list covers it (a deny by CIDR holds whatever name led
+        there), else None. Allow entries by CIDR never apply here: they allow IP literals only."""
+        denial = self.base.address_denial(sandbox_id, ip, port)
+        net = self.networks.get(sandbox_id)
+        if denial is not None or net is None:
+            return denial
+        addr = parse_ip(ip)
+        for e in net.deny:
+            if e.net is not None and e.matches("", addr, port):
+                reason = "resolved_sandbox_network_deny"
+                return reason, e.text
+        return None
 
     def name_may_resolve(self, sandbox_id: str, labels: Mapping[str, str], name: str,
                          now: float | None = None) -> bool:

@@ -197,7 +197,7 @@ async def case_tls_clienthello(p, monkeypatch, tctx):
     # and the upstream is never dialled
     sd = server_hooks.ServerConnectionHookData(server=data.context.server, client=client)
     data.context.server.address = ("198.18.0.10", 443)
-    p.gate.server_connect(sd)
+    await p.gate.server_connect(sd)
     assert sd.server.error
     return st
 
@@ -220,7 +220,7 @@ async def _server_hook(p, tctx):
 async def case_server_connect(p, monkeypatch, tctx):
     client, sd = await _server_hook(p, tctx)
     breaks(p.gate, "_claim_upstream", monkeypatch)
-    p.gate.server_connect(sd)
+    await p.gate.server_connect(sd)
     assert sd.server.error == "cubegate: internal error"    # mitmproxy does not dial
     return p.gate.conns[client.id]
 
