@@ -70,6 +70,7 @@ class Worker:
         from cubegate.dataplane import DataPlane, build_guard, open_vault, vault_ready
         from cubegate.settings import Settings
         from cubegate.supervise import Supervisor
+        from cubegate.worker_policy import PolicyFollower
         from egress import netguard
         from egress.audit.log import AuditLog
         from egress.identity import IdentityStore
@@ -89,6 +90,8 @@ class Worker:
         keys = hello.get("keys") or {}
         self.metrics = metrics = GatewayMetrics()
         self.policies = LivePolicies(PolicyStore(s.policy_dir), PolicyRepo(s.policy_db))
+        self.follower = PolicyFollower(self.policies, self.slot, lambda res: metrics.policy_reloads.labels(
+            "ok" if res.ok else "error").inc())
         self.audit = AuditLog(s.audit_dir, max_bytes=s.audit.max_bytes, keep_files=s.audit.keep_files,
                               retention_days=s.audit.retention_days, fsync=s.audit.fsync)
         self.identities = IdentityStore(s.identity_db)
@@ -138,6 +141,7 @@ class Worker:
         await self.dataplane.drain(s.proxy.drain_seconds)
         log.info("worker %d drained", self.slot)
         await sup.stop()
+        self.follower.close()
         uninstall()
         self.audit.close()
         return 1 if failed else 0
@@ -190,16 +194,13 @@ class Worker:
 
     # ------------------------------------------------------------------ policy
     def _refresh(self) -> None:
-        try:
-            self.policies.refresh(settle=True)
-        except Exception as e:   # keep the old policy in force; the next poll tries again
-            log.error("worker %d: policy refresh failed: %s at %s", self.slot, type(e).__name__, where(e))
+        """The daemon's word: the store now; files once they settle (never a half-written one).
+        Parsed on the policy thread: returns at once (cubegate/worker_policy.py)."""
+        self.follower.request()
 
     def _reload(self) -> None:
-        """SIGHUP: the files now (an invalid one keeps the old set), then the store."""
-        res = self.policies.reload()
-        self.metrics.policy_reloads.labels("ok" if res.ok else "error").inc()
-        self._refresh()
+        """SIGHUP: the files now (an invalid one keeps the old set), then the store; off the loop."""
+        self.follower.request(files_now=True)
 
     async def _policy_watch(self, interval: float) -> None:
         """The daemon says when the store changes; this catches anything it could not say.
@@ -207,7 +208,7 @@ class Worker:
         seen = self._follow_identities(None)
         while True:
             await asyncio.sleep(interval)
-            self._refresh()
+            await self.follower.request()   # the relabel check below decides by the policy now in force
             seen = self._follow_identities(seen)
             try:   # then the relabelled ones still open: re-decided with their new labels
                 self.dataplane.check_labels()

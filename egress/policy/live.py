@@ -54,6 +54,7 @@ class LivePolicies:
         self.repo = repo
         self._lock = threading.RLock()
         self._callbacks: list[ChangeCallback] = []
+        self._run_swap: Callable[[Callable[[], None]], None] = lambda swap: swap()
         self._conflict: str | None = None    # files that load alone but clash with API policies
         self._api: dict[str, Policy] = {}
         for name, v in repo.current("policy").items():
@@ -84,6 +85,11 @@ class LivePolicies:
     def on_change(self, callback: ChangeCallback) -> ChangeCallback:
         self._callbacks.append(callback)
         return callback
+
+    def swap_through(self, run: Callable[[Callable[[], None]], None]) -> None:
+        """Every swap (the assignment and the callbacks) runs as run(swap), which returns once it
+        ran: a worker builds on a thread and swaps on its event loop, where its decisions are made."""
+        self._run_swap = run
 
     # file reloads keep working as before (the daemon's watch loop and SIGHUP)
     def reload(self) -> ReloadResult:
@@ -153,6 +159,9 @@ class LivePolicies:
         return hashlib.sha256(f"{files.digest}\0{seq}".encode()).hexdigest()
 
     def _swap(self, new: EffectivePolicy) -> None:
+        self._run_swap(lambda: self._swap_now(new))
+
+    def _swap_now(self, new: EffectivePolicy) -> None:
         old, self._current = self._current, new
         self._base_key, self._base = new._key, new.base
         for cb in list(self._callbacks):

@@ -148,3 +148,49 @@ def test_a_large_policy_file_reloads_without_stalling_the_loop(rgw):
     slowest = max(s for _, s in answers)
     # the parse is what a stalled loop would wait for: an answer must take a small part of it
     assert len(answers) >= 2 and slowest < max(0.25, reload_seconds / 4), (slowest, reload_seconds, answers)
+
+
+def _connect_answer(gw, host: str) -> tuple[int, float]:
+    """One explicit CONNECT (the workers' fast path): its status and how long the proxy took to
+    answer it, measured from the connect to the status line (no client start-up in it)."""
+    import base64
+    import socket
+    auth = base64.b64encode(f"sb-1:{gw.tokens['sb-1']}".encode()).decode()
+
+    def probe():
+        t0 = time.monotonic()
+        with socket.create_connection(("127.0.0.1", gw.proxy_port), timeout=10) as s:
+            s.sendall(f"CONNECT {host}:443 HTTP/1.1\r\nHost: {host}:443\r\n"
+                      f"Proxy-Authorization: Basic {auth}\r\n\r\n".encode())
+            head = b""
+            while b"\r\n" not in head:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                head += chunk
+            return int(head.split()[1]), time.monotonic() - t0
+    return gw.lab.call_gw(probe, timeout=15)
+
+
+def test_a_large_policy_file_reloads_without_stalling_the_workers(rgw):
+    """Each worker parses a reloaded file off its event loop: CONNECTs (answered by the workers'
+    loops) keep being answered quickly while 2,000 rules are parsed, and then the new policy
+    (which allows x.github.test) is in force in every worker."""
+    rgw.start()
+    workers = _workers(rgw)
+    assert workers >= 1 and _connect_answer(rgw, "x.github.test")[0] == 403
+    (rgw.policy_dir / "p.yaml").write_text(WITH_GITHUB + _many_rules(2000).split("rules:\n", 1)[1])
+    rgw.proc.send_signal(signal.SIGHUP)
+    t0, answers = time.monotonic(), []
+    while time.monotonic() - t0 < 60:
+        answers.append(_connect_answer(rgw, "x.github.test"))
+        if _ok_reloads(rgw) >= 1 + workers:   # the daemon's and every worker's
+            break
+    reload_seconds = time.monotonic() - t0
+    assert _ok_reloads(rgw) >= 1 + workers, (rgw.log(), answers)
+    assert all(code in (200, 403) for code, _ in answers), answers
+    slowest = max(s for _, s in answers)
+    # a stalled loop would hold a CONNECT for a whole parse: an answer must take a small part of it
+    assert len(answers) >= 3 and slowest < max(0.25, reload_seconds / 4), (slowest, reload_seconds, answers)
+    after = [_connect_answer(rgw, "x.github.test")[0] for _ in range(4 * workers)]
+    assert after == [200] * len(after), after
