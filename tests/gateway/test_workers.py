@@ -121,8 +121,12 @@ def test_metrics_are_the_sum_over_the_workers(wgw):
 
 def test_sighup_reaches_every_worker(wgw):
     (wgw.policy_dir / "main.yaml").write_text(MAIN.replace("passthrough.allowed.test", "spare1.test"))
+    before = _metric(wgw, "cubegate_policy_reloads_total", result="ok")
     wgw.proc.send_signal(signal.SIGHUP)
     pids = _workers(wgw)
+    # reloads parse off the loops (the daemon's, each worker's): done once each of the 3 counted one
+    assert eventually(lambda: _metric(wgw, "cubegate_policy_reloads_total", result="ok") >= before + 1 + len(pids),
+                      timeout=10)
 
     def go():
         codes, owners = [], set()
