@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import time
 
 from cubegate.workerlink import STATE_SECONDS, Link
 from egress.log_redact import where
@@ -26,6 +27,10 @@ from egress.log_redact import where
 log = logging.getLogger("cubegate.worker")
 
 AGENT_TIMEOUT = 5.0
+# A connection authenticated just before an identity change may still be deciding its
+# destination (resolving, connecting) when the change is first followed, invisible to that
+# look: the identity checks go on this long after each change (longer than any decision takes).
+IDENTITY_RECHECK_SECONDS = 60.0
 AGENT_MAX_PENDING = 256
 
 
@@ -218,14 +223,21 @@ class Worker:
 
     def _follow_identities(self, seen):
         """Close the open connections of identities removed or re-keyed since `seen` (None: the
-        first look); returns what is seen now (unchanged on a failure: the next poll tries again).
+        first look), and again on every poll until IDENTITY_RECHECK_SECONDS after the last change;
+        returns (generation, recheck until) now (unchanged on a failure: the next poll tries again).
         A relabel alone is check_labels' (re-decided, not closed)."""
         from cubegate.sandbox_lookup import RegistryLookup
         from egress.revocation import identity_changed
         try:
             now = self.identities.generation()
-            if seen is None or now == seen:
-                return now
+            if seen is None:
+                return now, 0.0
+            last, recheck_until = seen
+            clock = time.monotonic()
+            if now != last:
+                recheck_until = clock + IDENTITY_RECHECK_SECONDS
+            elif clock >= recheck_until:
+                return seen
             table = {i.sandbox_id: i for i in self.identities.list()}   # one read for every connection
 
             def current(conn):
@@ -233,7 +245,7 @@ class Worker:
                 return RegistryLookup.identity_of(conn.sandbox_id, known) if conn.transparent else known
 
             self.dataplane.gate.revoke_where(identity_changed(current))
-            return now
+            return now, recheck_until
         except Exception as e:   # serving goes on (new connections still authenticate, fail closed);
             # the text may quote the table: class and frames only
             log.error("worker %d: following identity changes failed (%s at %s); retried next poll",

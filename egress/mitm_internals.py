@@ -305,10 +305,43 @@ def install_head_limit(limit: int, head_timeout: float | None = None) -> None:
         patched = bounded(original, side)
         patched._cubegate_original = original
         cls.read_headers = patched
+    _install_wait_limit(limit + PIPELINED_SLACK_BYTES)
     _install_head_wakeup(head_timeout)
     _install_h2_head_deadline(head_timeout)
     _install_h2_informational_limit(limit)
     _http1.ChunkedReader = _bounded_chunked_reader(limit)
+
+
+# While a message is in flight mitmproxy's HTTP/1 connections sit in `wait` and append every
+# byte the peer sends to self.buf, parsed only when the flow is done: a sandbox pipelining
+# without end behind a slow request (or an upstream talking out of turn) grew us without
+# bound. One full head and a socket read of slack may wait; past that the connection is closed.
+PIPELINED_SLACK_BYTES = 64 << 10
+
+
+def _install_wait_limit(max_bytes: int) -> None:
+    from mitmproxy.proxy import commands, events
+    from mitmproxy.proxy.layers.http._base import ReceiveHttp
+    from mitmproxy.proxy.layers.http._events import ErrorCode
+
+    cls = _http1.Http1Connection
+    original = getattr(cls.wait, "_cubegate_original", cls.wait)
+
+    def wait(self, event):
+        if isinstance(event, events.DataReceived) and len(self.buf) > max_bytes:
+            self.buf = type(self.buf)()
+            self.state = self.done
+            yield commands.CloseConnection(self.conn)
+            code = ErrorCode.CLIENT_DISCONNECTED if isinstance(self, _http1.Http1Server) \
+                else ErrorCode.GENERIC_SERVER_ERROR
+            yield ReceiveHttp(self.ReceiveProtocolError(self.stream_id, f"over {max_bytes} bytes sent "
+                                                        "while a message was in flight", code=code))
+            return
+        yield from original(self, event)
+
+    wait._cubegate_original = original
+    wait._cubegate_limit = max_bytes
+    cls.wait = wait
 
 
 # -- 1xx heads from an upstream -------------------------------------------------------------

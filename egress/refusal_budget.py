@@ -7,9 +7,10 @@ first ``per_interval`` refusals of an interval are written as usual; the rest ar
 counted per (reason, host) and written as one summary record per source when the
 interval is drained (and at shutdown), so every refusal is still accounted for.
 
-Bounded memory: at most ``max_sources`` sources are tracked per interval (refusals of
-further sources are counted under ``OTHER_SOURCE``, never written one by one: fail
-closed on the log's size), and at most ``max_keys`` (reason, host) pairs per source
+Bounded memory: at most ``max_sources`` sources of each kind are tracked per interval
+(refusals of further sources are counted under ``OTHER_SOURCE``, never written one by one:
+fail closed on the log's size; per kind, so client addresses, which a sandbox may vary,
+never crowd identified sandboxes out of their own records), and at most ``max_keys`` (reason, host) pairs per source
 (further hosts under ``(reason, OTHER)``: reasons are a fixed set, egress/reasons.py, so
 the totals per reason stay exact).
 """
@@ -51,14 +52,18 @@ class RefusalBudget:
             raise ValueError("per_interval must be >= 0, max_sources and max_keys >= 1")
         self.per_interval, self.max_sources, self.max_keys = per_interval, max_sources, max_keys
         self._sources: dict[tuple[str, str], CountedRefusals] = {}
+        self._per_kind: dict[str, int] = {}
 
     def admit(self, source: tuple[str, str], reason: str | None, host: str | None) -> bool:
         """One refusal by `source` ("sandbox", id) or ("client", address): True when it is to be
         written now, False when it was counted into the interval's summary instead."""
         c = self._sources.get(source)
         if c is None:
-            if len(self._sources) >= self.max_sources:
+            kind = source[0]
+            if self._per_kind.get(kind, 0) >= self.max_sources:
                 source = OTHER_SOURCE
+            elif source != OTHER_SOURCE:
+                self._per_kind[kind] = self._per_kind.get(kind, 0) + 1
             c = self._sources.setdefault(source, CountedRefusals())
         if source != OTHER_SOURCE and c.written < self.per_interval:
             c.written += 1
@@ -73,7 +78,7 @@ class RefusalBudget:
     def drain(self) -> dict[tuple[str, str], CountedRefusals]:
         """Sources with counted refusals since the last drain; every counter starts again."""
         out = {s: c for s, c in self._sources.items() if c.counted}
-        self._sources = {}
+        self._sources, self._per_kind = {}, {}
         return out
 
     @property

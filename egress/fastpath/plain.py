@@ -1026,8 +1026,7 @@ class PlainConn(asyncio.Protocol):
     def _hand_over(self, head: http1.RequestHead) -> bool:
         """mitmproxy takes the rest of the connection, this request's raw bytes replayed."""
         replay = head.replay
-        if replay is None or self.lost:
-            self.st.requests -= 1
+        if replay is None or self.lost:   # refused here, not handed over: it stays one of ours
             self._deny(Refusal(400, "pipelined_request_refused",
                                "this request needs inspection; send it on a new connection, not pipelined"),
                        None, method=head.method, path=_path_str(head.target))

@@ -42,13 +42,25 @@ def test_distinct_hosts_and_sources_are_capped():
         assert b.admit(("sandbox", "sb-1"), "default_deny", f"h{i}.test") is False
     for i in range(10):                                  # sources past the cap: counted under "*", never written
         assert b.admit(("client", f"10.0.0.{i}"), "proxy_auth_missing", None) is False
-    assert b.sources <= 3
+    assert b.sources == 4                                # sb-1, two client addresses (a cap per kind), "*"
     out = b.drain()
     c = out[("sandbox", "sb-1")]
     assert c.counted == 100 and len(c.by_key) == 5
     assert c.by_key[("default_deny", OTHER)] == 96           # the reason's total stays exact
-    assert sum(x.counted for x in out.values()) == 110 and out[OTHER_SOURCE].counted == 9
+    assert sum(x.counted for x in out.values()) == 110 and out[OTHER_SOURCE].counted == 8
     assert c.counts_text().startswith("default_deny@*=96,") and sum(_counts(c.counts_text()).values()) == 100
+
+
+def test_client_addresses_never_crowd_sandboxes_out_of_their_own_budget():
+    # A sandbox that can vary its source address (unidentified 407s are keyed by it) fills the
+    # client-address cap: an identified sandbox's refusals are still written under its own name.
+    b = RefusalBudget(2, max_sources=3)
+    for i in range(50):
+        b.admit(("client", f"10.0.0.{i}"), "proxy_auth_missing", None)
+    assert [b.admit(("sandbox", "sb-2"), "default_deny", "a.test") for _ in range(3)] == [True, True, False]
+    out = b.drain()
+    assert out[("sandbox", "sb-2")].counted == 1
+    assert out[OTHER_SOURCE].counted == 47 and b.sources == 0
 
 
 def test_the_counts_text_fits_a_record_string():
