@@ -729,13 +729,30 @@ class NamespaceBackend:
             time.sleep(0.005)
 
     def list(self) -> list[Handle]:
-        """Handles of the sandboxes whose state is under state_dir (e.g. after a restart)."""
+        """Handles of the sandboxes whose state is under state_dir (e.g. after a restart).
+        A state dir without a readable handle.json (a create killed before its first handle
+        write) gives a partial handle: its dir and its cgroups, found by name, so destroy()
+        still removes what that create had made."""
         out = []
-        for f in sorted(self.state_dir.glob("*/handle.json")):
-            with suppress(OSError, ValueError, KeyError):
-                d = json.loads(f.read_text())
+        try:
+            dirs = sorted(d for d in self.state_dir.iterdir() if d.is_dir() and ids.is_sandbox_id(d.name))
+        except OSError:
+            return out
+        for sdir in dirs:
+            try:
+                d = json.loads((sdir / "handle.json").read_text())
                 out.append(Handle(sandbox_id=d["sandbox_id"], backend=self.name, netns=d["netns"], data=d["data"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                out.append(self._partial_handle(sdir))
         return out
+
+    def _partial_handle(self, sdir: Path) -> Handle:
+        data: dict = {"state_dir": str(sdir)}
+        cgs = [cg for cg in SandboxCgroups.named(sdir.name, group=self.instance)
+               if all(Path(p).name == sdir.name for p in cg.paths.values())]   # the exact name, not a prefix
+        if cgs:
+            data["cgroups"] = cgs[0].to_json()
+        return Handle(sandbox_id=sdir.name, backend=self.name, netns="", data=data)
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -384,6 +384,66 @@ def test_sandbox_survives_a_daemon_restart_and_orphans_are_reaped(rt, lab):
         sw.detach_sandbox("sb-orphan")
 
 
+def test_a_create_killed_midway_leaves_nothing_after_a_restart(rt, lab):
+    """The daemon is SIGKILLed inside two creates: one had its identity, network slot, cgroups
+    and a running bwrap (handle written, record still "creating"); one only its state dir and
+    cgroups with a task in them (killed before its first handle write). After the restart
+    neither leaves a process, cgroup, netns, slot or identity; both records say why."""
+    from egress.identity import IdentityStore
+    from sandbox_runtime.backend import Limits, SandboxSpec
+    from sandbox_runtime.cgroups import SandboxCgroups
+    from sandbox_runtime.namespace import NamespaceBackend
+    from sandbox_runtime.state import SandboxRecord, StateStore
+    gw, sw = rt
+    ns_state = gw.state_dir / "runtime" / "namespace"
+    ns = NamespaceBackend(ns_state)
+    net = sw.attach_sandbox("sb-halfmade")
+    made = ns.create(SandboxSpec("sb-halfmade", "acme"), net.netns, ip=net.ip, gateway_ip=HUB_IP)
+    (ns_state / "sb-nohandle").mkdir(mode=0o700)
+    cg = SandboxCgroups.create("sb-nohandle", Limits(), group=ns.instance)
+    task = subprocess.Popen(["sleep", "300"])
+    try:
+        for procs in cg.procs_files():
+            Path(procs).write_text(str(task.pid))
+        gw.proc.kill()          # the crash: SIGKILL, nothing of the daemon runs after it
+        gw.proc.wait(10)
+        ids = IdentityStore(gw.state_dir / "identities.db")
+        ids.add("sb-halfmade", {"tenant": "acme"}, replace=True)
+        ids.close()
+        store = StateStore(gw.state_dir / "runtime" / "sandboxes.sqlite3")
+        for sid in ("sb-halfmade", "sb-nohandle"):
+            assert store.insert_new(SandboxRecord(sid, "acme", "namespace"))
+        store.close()
+        gw.start()
+        ls = {s["id"]: s for s in json.loads(cli(lab, gw, "ls", "--json").stdout)}
+        for sid in ("sb-halfmade", "sb-nohandle"):
+            assert (ls[sid]["state"], ls[sid]["error"]) == ("failed", "creation interrupted by a daemon restart")
+            assert not (ns_state / sid).exists()
+        pid = made.data["bwrap_pid"]
+        assert not Path(f"/proc/{pid}/status").exists() or "State:\tZ" in Path(f"/proc/{pid}/status").read_text()
+        assert task.wait(10) == -9
+        assert not cg.exists() and not SandboxCgroups.from_json(made.data["cgroups"]).exists()
+        assert sw.sandbox("sb-halfmade") is None and not Path(f"/run/netns/{net.netns}").exists()
+        ids = IdentityStore(gw.state_dir / "identities.db")
+        assert ids.get("sb-halfmade") is None
+        ids.close()
+        for sid in ("sb-halfmade", "sb-nohandle"):
+            r = gw.wait_record(lambda r, sid=sid: r.get("sandbox") == sid
+                               and r.get("extra", {}).get("action") == "sandbox.failed")
+            assert r["reason"] == "creation interrupted by a daemon restart", r
+        # the capacity they held is free again: failed records are not charged
+        assert 'cubegate_host_reserved{resource="sandboxes"} 0.0' in gw.ops("/metrics").stdout
+    finally:
+        task.kill()
+        task.wait()
+        ns.destroy(made)
+        cg.kill_all()
+        cg.remove()
+        sw.detach_sandbox("sb-halfmade")
+        for sid in ("sb-halfmade", "sb-nohandle"):
+            cli(lab, gw, "rm", sid, check=False)
+
+
 @pytest.mark.slow
 def test_microvm_sandbox_through_the_daemon(rt, lab):
     """Same API, strong-isolation backend: a QEMU microVM started from the shared template."""
