@@ -136,6 +136,15 @@ class SandboxCgroups:
                 found.setdefault(n, {})[c] = str(base / n)
         return [cls(version, paths) for paths in found.values()]
 
+    @classmethod
+    def of(cls, sandbox_id: str, root: Path = ROOT, *, group: str) -> "SandboxCgroups | None":
+        """The existing cgroups named exactly sandbox_id (what a create killed before it
+        recorded them made), or None."""
+        for cg in cls.named(sandbox_id, root, group=group):
+            if all(Path(p).name == sandbox_id for p in cg.paths.values()):
+                return cg
+        return None
+
     def _limits_v1(self, lim: Limits) -> None:
         mem = Path(self.paths["memory"])
         nbytes = str(lim.memory_mb << 20)

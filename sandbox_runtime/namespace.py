@@ -748,10 +748,11 @@ class NamespaceBackend:
 
     def _partial_handle(self, sdir: Path) -> Handle:
         data: dict = {"state_dir": str(sdir)}
-        cgs = [cg for cg in SandboxCgroups.named(sdir.name, group=self.instance)
-               if all(Path(p).name == sdir.name for p in cg.paths.values())]   # the exact name, not a prefix
-        if cgs:
-            data["cgroups"] = cgs[0].to_json()
+        cg = SandboxCgroups.of(sdir.name, group=self.instance)
+        if cg is not None:
+            data["cgroups"] = cg.to_json()
+        if (self.roots_dir / sdir.name).exists():
+            data["rootfs"] = str(self.roots_dir / sdir.name)    # released (unmounted) before removal
         return Handle(sandbox_id=sdir.name, backend=self.name, netns="", data=data)
 
 

@@ -470,6 +470,21 @@ class MicrovmBackend:
                 "cpu_seconds": cg.get("cpu_seconds") or (vm.cpu_seconds(pid) if pid else 0.0),
                 "pids": cg.get("pids", 0)}
 
+    def list(self) -> list[Handle]:
+        """A handle for each run dir (e.g. after a restart). The handle itself is stored only
+        by the manager, once create returned: these carry the run dir and the cgroups found by
+        name, which is what destroy() needs to end an interrupted create's QEMU (in them)."""
+        try:
+            dirs = sorted(d for d in self.state_dir.iterdir() if d.is_dir() and ids.is_sandbox_id(d.name))
+        except OSError:
+            return []
+        out = []
+        for d in dirs:
+            cg = cgroups.SandboxCgroups.of(d.name, group=self.instance)
+            data = {"run_dir": str(d), **({"cgroups": cg.to_json()} if cg is not None else {})}
+            out.append(Handle(sandbox_id=d.name, backend=NAME, netns="", data=data))
+        return out
+
     def destroy(self, h: Handle) -> None:
         with self._lock:
             ch = self._channels.pop(h.sandbox_id, None)
