@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sandbox_runtime import ids
 from sandbox_runtime.backend import Limits, SandboxError
 
 ROOT = Path("/sys/fs/cgroup")
@@ -137,13 +138,15 @@ class SandboxCgroups:
         return [cls(version, paths) for paths in found.values()]
 
     @classmethod
-    def of(cls, sandbox_id: str, root: Path = ROOT, *, group: str) -> "SandboxCgroups | None":
-        """The existing cgroups named exactly sandbox_id (what a create killed before it
-        recorded them made), or None."""
-        for cg in cls.named(sandbox_id, root, group=group):
-            if all(Path(p).name == sandbox_id for p in cg.paths.values()):
-                return cg
-        return None
+    def by_sandbox(cls, root: Path = ROOT, *, group: str) -> dict[str, "SandboxCgroups"]:
+        """This instance's cgroups named as a sandbox (a pooled launcher's are not), by name:
+        what a restart checks against the sandboxes it keeps."""
+        out = {}
+        for cg in cls.named("", root, group=group):
+            name = Path(next(iter(cg.paths.values()))).name
+            if ids.is_sandbox_id(name):
+                out[name] = cg
+        return out
 
     def _limits_v1(self, lim: Limits) -> None:
         mem = Path(self.paths["memory"])

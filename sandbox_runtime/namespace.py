@@ -729,31 +729,35 @@ class NamespaceBackend:
             time.sleep(0.005)
 
     def list(self) -> list[Handle]:
-        """Handles of the sandboxes whose state is under state_dir (e.g. after a restart).
-        A state dir without a readable handle.json (a create killed before its first handle
-        write) gives a partial handle: its dir and its cgroups, found by name, so destroy()
-        still removes what that create had made."""
+        """Handles of the sandboxes that have anything of this instance on the host (e.g.
+        after a restart): a state dir, cgroups or a roots dir. Without a readable handle.json
+        (a create killed before its first handle write) a partial handle names what is there,
+        so destroy() still removes what that create had made."""
+        cgs = SandboxCgroups.by_sandbox(group=self.instance)
+        found = set(cgs) | _sandbox_dirs(self.state_dir) | _sandbox_dirs(self.roots_dir)
         out = []
-        try:
-            dirs = sorted(d for d in self.state_dir.iterdir() if d.is_dir() and ids.is_sandbox_id(d.name))
-        except OSError:
-            return out
-        for sdir in dirs:
+        for sid in sorted(found):
             try:
-                d = json.loads((sdir / "handle.json").read_text())
+                d = json.loads((self.state_dir / sid / "handle.json").read_text())
                 out.append(Handle(sandbox_id=d["sandbox_id"], backend=self.name, netns=d["netns"], data=d["data"]))
             except (OSError, ValueError, KeyError, TypeError):
-                out.append(self._partial_handle(sdir))
+                out.append(self._partial_handle(sid, cgs.get(sid)))
         return out
 
-    def _partial_handle(self, sdir: Path) -> Handle:
-        data: dict = {"state_dir": str(sdir)}
-        cg = SandboxCgroups.of(sdir.name, group=self.instance)
+    def _partial_handle(self, sid: str, cg: SandboxCgroups | None) -> Handle:
+        data: dict = {"state_dir": str(self.state_dir / sid)}
         if cg is not None:
             data["cgroups"] = cg.to_json()
-        if (self.roots_dir / sdir.name).exists():
-            data["rootfs"] = str(self.roots_dir / sdir.name)    # released (unmounted) before removal
-        return Handle(sandbox_id=sdir.name, backend=self.name, netns="", data=data)
+        if (self.roots_dir / sid).exists():
+            data["rootfs"] = str(self.roots_dir / sid)    # released (unmounted) before removal
+        return Handle(sandbox_id=sid, backend=self.name, netns="", data=data)
+
+
+def _sandbox_dirs(parent: Path) -> set[str]:
+    try:
+        return {d.name for d in parent.iterdir() if d.is_dir() and ids.is_sandbox_id(d.name)}
+    except OSError:
+        return set()
 
 
 def _write_all(fd: int, data: bytes) -> None:
