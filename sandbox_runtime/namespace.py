@@ -284,7 +284,10 @@ class NamespaceBackend:
             self.launchers.stop()       # unclaimed launchers end, their cgroups go
         lock, self._roots_lock = self._roots_lock, None
         if lock is not None:
-            roots.release(self.roots_dir, lock, sandboxes_left=bool(self.list()))
+            # a stored handle is a sandbox that may use it; what a killed create left without
+            # one is not mounted there (release checks) and the next daemon's recover reaps it
+            left = any(self.state_dir.glob("*/handle.json"))
+            roots.release(self.roots_dir, lock, sandboxes_left=left)
 
     # ------------------------------------------------------------ probing
     def available(self) -> tuple[bool, str]:
