@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sandbox_runtime import ids
 from sandbox_runtime.backend import Limits, SandboxError
 
 ROOT = Path("/sys/fs/cgroup")
@@ -135,6 +136,17 @@ class SandboxCgroups:
             for n in names:
                 found.setdefault(n, {})[c] = str(base / n)
         return [cls(version, paths) for paths in found.values()]
+
+    @classmethod
+    def by_sandbox(cls, root: Path = ROOT, *, group: str) -> dict[str, "SandboxCgroups"]:
+        """This instance's cgroups named as a sandbox (a pooled launcher's are not), by name:
+        what a restart checks against the sandboxes it keeps."""
+        out = {}
+        for cg in cls.named("", root, group=group):
+            name = Path(next(iter(cg.paths.values()))).name
+            if ids.is_sandbox_id(name):
+                out[name] = cg
+        return out
 
     def _limits_v1(self, lim: Limits) -> None:
         mem = Path(self.paths["memory"])

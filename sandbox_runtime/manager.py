@@ -732,7 +732,9 @@ class SandboxManager:
     # ------------------------------------------------------------------ restart
     def recover(self) -> dict:
         """After a daemon restart: keep sandboxes whose agent answers, mark the others failed
-        (their resources are released; the record stays so the caller sees why)."""
+        (their resources are released; the record stays so the caller sees why). Whatever a
+        backend still holds for a sandbox not kept (an interrupted create's half-made sandbox,
+        a record-less orphan) is destroyed: nothing unaccounted for stays on the host."""
         kept = failed = 0
         records = self.state.all()
 
@@ -744,6 +746,7 @@ class SandboxManager:
 
         with ThreadPoolExecutor(16, thread_name_prefix="recover") as pool:   # thousands after a reboot
             alive = list(pool.map(check, records))
+        kept_ids = {rec.id for rec, ok in zip(records, alive) if ok}
         for rec, ok in zip(records, alive):
             b = self.backends.get(rec.backend)
             if ok:
@@ -751,14 +754,18 @@ class SandboxManager:
                 continue
             failed += 1
             reason = "creation interrupted by a daemon restart" if rec.state == "creating" else "sandbox died"
+            if rec.state != "failed":
+                self._audit_auto("sandbox.failed", rec, reason)
             self._undo(rec, b, rec.handle if b else None, self.switch.sandbox(rec.id) is not None, True)
-            rec.state, rec.error, rec.handle = "failed", reason, None
+            if rec.state != "failed":
+                rec.state, rec.error = "failed", reason
+            rec.handle, rec.paused_by = None, None
             self.state.put(rec)
-        known = {r.id for r in records}
         reaped = 0
         for name, b in self.backends.items():
             for h in getattr(b, "list", lambda: [])():
-                if h.sandbox_id not in known:      # left by a create the daemon did not live to record
+                # not kept: a create the daemon did not live to finish or record, or one that failed
+                if h.sandbox_id not in kept_ids:
                     try:
                         b.destroy(h)
                         reaped += 1

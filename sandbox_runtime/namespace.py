@@ -284,7 +284,10 @@ class NamespaceBackend:
             self.launchers.stop()       # unclaimed launchers end, their cgroups go
         lock, self._roots_lock = self._roots_lock, None
         if lock is not None:
-            roots.release(self.roots_dir, lock, sandboxes_left=bool(self.list()))
+            # a stored handle is a sandbox that may use it; what a killed create left without
+            # one is not mounted there (release checks) and the next daemon's recover reaps it
+            left = any(self.state_dir.glob("*/handle.json"))
+            roots.release(self.roots_dir, lock, sandboxes_left=left)
 
     # ------------------------------------------------------------ probing
     def available(self) -> tuple[bool, str]:
@@ -729,13 +732,35 @@ class NamespaceBackend:
             time.sleep(0.005)
 
     def list(self) -> list[Handle]:
-        """Handles of the sandboxes whose state is under state_dir (e.g. after a restart)."""
+        """Handles of the sandboxes that have anything of this instance on the host (e.g.
+        after a restart): a state dir, cgroups or a roots dir. Without a readable handle.json
+        (a create killed before its first handle write) a partial handle names what is there,
+        so destroy() still removes what that create had made."""
+        cgs = SandboxCgroups.by_sandbox(group=self.instance)
+        found = set(cgs) | _sandbox_dirs(self.state_dir) | _sandbox_dirs(self.roots_dir)
         out = []
-        for f in sorted(self.state_dir.glob("*/handle.json")):
-            with suppress(OSError, ValueError, KeyError):
-                d = json.loads(f.read_text())
+        for sid in sorted(found):
+            try:
+                d = json.loads((self.state_dir / sid / "handle.json").read_text())
                 out.append(Handle(sandbox_id=d["sandbox_id"], backend=self.name, netns=d["netns"], data=d["data"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                out.append(self._partial_handle(sid, cgs.get(sid)))
         return out
+
+    def _partial_handle(self, sid: str, cg: SandboxCgroups | None) -> Handle:
+        data: dict = {"state_dir": str(self.state_dir / sid)}
+        if cg is not None:
+            data["cgroups"] = cg.to_json()
+        if (self.roots_dir / sid).exists():
+            data["rootfs"] = str(self.roots_dir / sid)    # released (unmounted) before removal
+        return Handle(sandbox_id=sid, backend=self.name, netns="", data=data)
+
+
+def _sandbox_dirs(parent: Path) -> set[str]:
+    try:
+        return {d.name for d in parent.iterdir() if d.is_dir() and ids.is_sandbox_id(d.name)}
+    except OSError:
+        return set()
 
 
 def _write_all(fd: int, data: bytes) -> None:

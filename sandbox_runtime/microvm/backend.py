@@ -470,6 +470,24 @@ class MicrovmBackend:
                 "cpu_seconds": cg.get("cpu_seconds") or (vm.cpu_seconds(pid) if pid else 0.0),
                 "pids": cg.get("pids", 0)}
 
+    def list(self) -> list[Handle]:
+        """A handle for each sandbox with a run dir or cgroups of this instance (e.g. after a
+        restart). The handle itself is stored only by the manager, once create returned: these
+        carry the run dir and the cgroups found by name, which is what destroy() needs to end
+        an interrupted create's QEMU (in them)."""
+        cgs = cgroups.SandboxCgroups.by_sandbox(group=self.instance)
+        try:
+            dirs = {d.name for d in self.state_dir.iterdir() if d.is_dir() and ids.is_sandbox_id(d.name)}
+        except OSError:
+            dirs = set()
+        out = []
+        for sid in sorted(dirs | set(cgs)):
+            data = {"run_dir": str(self.state_dir / sid)}
+            if sid in cgs:
+                data["cgroups"] = cgs[sid].to_json()
+            out.append(Handle(sandbox_id=sid, backend=NAME, netns="", data=data))
+        return out
+
     def destroy(self, h: Handle) -> None:
         with self._lock:
             ch = self._channels.pop(h.sandbox_id, None)

@@ -384,6 +384,76 @@ def test_sandbox_survives_a_daemon_restart_and_orphans_are_reaped(rt, lab):
         sw.detach_sandbox("sb-orphan")
 
 
+def test_a_create_killed_midway_leaves_nothing_after_a_restart(rt, lab):
+    """The daemon is SIGKILLed inside five creates: one had its identity, network slot,
+    cgroups and a running bwrap (handle written, record still "creating"); four (namespace,
+    microvm) only their cgroups with a task in them, with or without their state dir
+    (killed before any handle was stored). After the restart none leaves a process, cgroup, netns, slot or identity;
+    every record says why, and its failure is audited."""
+    from egress.identity import IdentityStore
+    from sandbox_runtime import ids as sandbox_ids
+    from sandbox_runtime.backend import Limits, SandboxSpec
+    from sandbox_runtime.cgroups import SandboxCgroups
+    from sandbox_runtime.namespace import NamespaceBackend
+    from sandbox_runtime.state import SandboxRecord, StateStore
+    gw, sw = rt
+    ns_state, vm_state = gw.state_dir / "runtime" / "namespace", gw.state_dir / "runtime" / "microvm"
+    ns = NamespaceBackend(ns_state)
+    net = sw.attach_sandbox("sb-halfmade")
+    made = ns.create(SandboxSpec("sb-halfmade", "acme"), net.netns, ip=net.ip, gateway_ip=HUB_IP)
+    # killed before any handle was stored: a state dir and cgroups, or only the cgroups
+    partial = {"sb-nohandle": ("namespace", ns_state, True), "sb-cgonly": ("namespace", ns_state, False),
+               "vm-nohandle": ("microvm", vm_state, True), "vm-cgonly": ("microvm", vm_state, False)}
+    cgs, tasks = [], []
+    try:
+        for sid, (_, sdir, with_dir) in partial.items():
+            if with_dir:
+                (sdir / sid).mkdir(mode=0o700, parents=True)
+            cgs.append(SandboxCgroups.create(sid, Limits(), group=sandbox_ids.instance_name(sdir)))
+            tasks.append(subprocess.Popen(["sleep", "300"]))
+            for procs in cgs[-1].procs_files():
+                Path(procs).write_text(str(tasks[-1].pid))
+        gw.proc.kill()          # the crash: SIGKILL, nothing of the daemon runs after it
+        gw.proc.wait(10)
+        idents = IdentityStore(gw.state_dir / "identities.db")
+        idents.add("sb-halfmade", {"tenant": "acme"}, replace=True)
+        idents.close()
+        store = StateStore(gw.state_dir / "runtime" / "sandboxes.sqlite3")
+        for sid, backend in (("sb-halfmade", "namespace"), *((s, b) for s, (b, _, _) in partial.items())):
+            assert store.insert_new(SandboxRecord(sid, "acme", backend))
+        store.close()
+        gw.start()
+        ls = {s["id"]: s for s in json.loads(cli(lab, gw, "ls", "--json").stdout)}
+        for sid, sdir in (("sb-halfmade", ns_state), *((s, d) for s, (_, d, _) in partial.items())):
+            assert (ls[sid]["state"], ls[sid]["error"]) == ("failed", "creation interrupted by a daemon restart")
+            assert not (sdir / sid).exists()
+            r = gw.wait_record(lambda r, sid=sid: r.get("sandbox") == sid
+                               and r.get("extra", {}).get("action") == "sandbox.failed")
+            assert r["reason"] == "creation interrupted by a daemon restart", r
+        pid = made.data["bwrap_pid"]
+        assert not Path(f"/proc/{pid}/status").exists() or "State:\tZ" in Path(f"/proc/{pid}/status").read_text()
+        assert [t.wait(10) for t in tasks] == [-9] * len(partial)
+        assert not any(cg.exists() for cg in cgs)
+        assert not SandboxCgroups.from_json(made.data["cgroups"]).exists()
+        assert sw.sandbox("sb-halfmade") is None and not Path(f"/run/netns/{net.netns}").exists()
+        idents = IdentityStore(gw.state_dir / "identities.db")
+        assert idents.get("sb-halfmade") is None
+        idents.close()
+        # the capacity they held is free again: failed records are not charged
+        assert 'cubegate_host_reserved{resource="sandboxes"} 0.0' in gw.ops("/metrics").stdout
+    finally:
+        for t in tasks:
+            t.kill()
+            t.wait()
+        ns.destroy(made)
+        for cg in cgs:
+            cg.kill_all()
+            cg.remove()
+        sw.detach_sandbox("sb-halfmade")
+        for sid in ("sb-halfmade", *partial):
+            cli(lab, gw, "rm", sid, check=False)
+
+
 @pytest.mark.slow
 def test_microvm_sandbox_through_the_daemon(rt, lab):
     """Same API, strong-isolation backend: a QEMU microVM started from the shared template."""
