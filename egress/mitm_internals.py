@@ -828,8 +828,10 @@ def install_hook_queue_bound() -> None:
             bound.opening.discard(event.command)
             bound.end()
 
-    for f in (counted_hook_task, counted_open_connection, counted_server_event):
+    for f, original in ((counted_hook_task, hook_task), (counted_open_connection, open_connection),
+                        (counted_server_event, server_event)):
         f._cubegate = True
+        f._cubegate_original = original   # what the pinning tests read, installed or not
     cls.hook_task, cls.open_connection, cls.server_event = counted_hook_task, counted_open_connection, \
         counted_server_event
 

@@ -311,8 +311,15 @@ def test_sigterm_drains_open_tunnels_and_refuses_new_ones(lab, tmp_path):
         th.start()
         assert ready.wait(10)
         gw.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        refused = lab.call_gw(lambda: _connect_refused(gw.proxy_port))
+
+        def refused_soon() -> bool:      # the listeners close once the signal is handled (under load: later)
+            deadline = time.monotonic() + 2.5    # well inside drain_seconds (4) and the tunnel's 1 s wait
+            while time.monotonic() < deadline:
+                if _connect_refused(gw.proxy_port):
+                    return True
+                time.sleep(0.1)
+            return False
+        refused = lab.call_gw(refused_soon)
         th.join(15)
         assert refused, "a new connection was accepted during the drain"
         assert b'"path": "/during-drain"' in out.get("body", b""), out
