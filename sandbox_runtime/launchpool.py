@@ -9,27 +9,22 @@
 - A daemon that dies leaves nothing claimable: parked launchers read EOF and exit, the
   pool itself is memory only; their empty cgroups are removed at the next start
   (`discard_leftovers`).
-- Refilled by one niced background thread with the slot pool's policy (netpool.refill_delay):
+- Refilled by one niced background thread like the slot pool (refill.RefillPool):
   a burst of starts gets the CPU, the refill the pause after.
 - cgroup v1 only (v2 has no rename): elsewhere the pool stays empty and every start
   spawns its launcher in the sandbox's cgroups.
 """
 from __future__ import annotations
 
-import collections
 import logging
-import os
 import secrets
-import threading
-import time
-from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
 from sandbox_runtime.backend import SandboxError
 from sandbox_runtime.cgroups import SandboxCgroups, detect
 from sandbox_runtime.launcher import Launcher, LauncherError
-from sandbox_runtime.netpool import refill_delay
+from sandbox_runtime.refill import RefillPool
 
 log = logging.getLogger("cubegate.runtime.launchers")
 
@@ -49,43 +44,15 @@ class Pooled:
             self.cgroups.remove()
 
 
-class LauncherPool:
+class LauncherPool(RefillPool[Pooled]):
+    name = "launcher-pool"
+    prepare_errors = (SandboxError, LauncherError)
+
     def __init__(self, agent_binary: Path, group: str, size: int, *, quiet_s: float = 0.2,
                  low_water: int | None = None, retry_s: float = 1.0):
+        super().__init__(size if detect()[0] == "v1" else 0, quiet_s=quiet_s, low_water=low_water,
+                         retry_s=retry_s, log=log)
         self.agent_binary, self.group = Path(agent_binary), group
-        self.size = max(0, int(size)) if detect()[0] == "v1" else 0
-        self.quiet_s, self.retry_s = quiet_s, retry_s
-        self.low_water = self.size // 4 if low_water is None else max(0, int(low_water))
-        self._ready: collections.deque[Pooled] = collections.deque()
-        self._lock = threading.Lock()
-        self._starting = 0
-        self._last_start = float("-inf")
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.hits = self.misses = self.prepared = self.failures = 0
-
-    # ------------------------------------------------------------ lifecycle
-    def start(self) -> "LauncherPool":
-        self.discard_leftovers()
-        if self.size and self._thread is None:
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="launcher-pool", daemon=True)
-            self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
-        while True:
-            with self._lock:
-                if not self._ready:
-                    return
-                item = self._ready.popleft()
-            item.discard()
 
     def discard_leftovers(self) -> int:
         """Pooled cgroups of a previous daemon of this instance (their launchers exit on EOF)."""
@@ -104,25 +71,12 @@ class LauncherPool:
     def take(self) -> Pooled | None:
         """A parked launcher for one start, or None (the caller spawns one). The caller calls
         start_done() once the start is over, whatever its outcome."""
-        with self._lock:
-            item = self._ready.popleft() if self._ready else None
-            self._starting += 1
-            self._last_start = time.monotonic()
-        self._wake.set()
+        item = self._pop_for_start()
         if item is None:
             self.misses += 1
         else:
             self.hits += 1
         return item
-
-    def start_done(self) -> None:
-        with self._lock:
-            self._starting = max(0, self._starting - 1)
-            self._last_start = time.monotonic()
-
-    def ready(self) -> int:
-        with self._lock:
-            return len(self._ready)
 
     # ------------------------------------------------------------ refill
     def _prepare(self) -> Pooled:
@@ -140,31 +94,5 @@ class LauncherPool:
             raise
         return item
 
-    def _run(self) -> None:
-        with suppress(OSError):     # background work: sandbox starts get the CPU first
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        while not self._stop.is_set():
-            if self.ready() >= self.size:
-                self._wake.wait(timeout=5.0)
-                self._wake.clear()
-                continue
-            with self._lock:
-                wait = refill_delay(ready=len(self._ready), low_water=self.low_water, starting=self._starting,
-                                    last_start=self._last_start, quiet_s=self.quiet_s, now=time.monotonic())
-            if wait > 0:
-                self._stop.wait(wait)
-                continue
-            try:
-                item = self._prepare()
-            except (SandboxError, LauncherError) as e:
-                self.failures += 1
-                log.warning("launcher pool: cannot park a launcher: %s", e)
-                self._stop.wait(self.retry_s)
-                continue
-            with self._lock:
-                keep = not self._stop.is_set()
-                if keep:
-                    self._ready.append(item)
-                    self.prepared += 1
-            if not keep:
-                item.discard()
+    def _discard(self, item: Pooled) -> None:
+        item.discard()
