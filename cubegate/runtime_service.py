@@ -144,6 +144,9 @@ async def auto_pause_loop(manager: SandboxManager, idle_seconds: float) -> None:
             await asyncio.to_thread(manager.auto_pause_tick)
         except SandboxError as e:      # the switch counters unreadable: nobody is paused this round
             log.warning("auto-pause: %s", e)
+        except Exception as e:  # noqa: BLE001 - a round that fails pauses nobody (safe); the loop
+            # must outlive it: a dead loop would mean no sandbox is ever paused again
+            log.error("auto-pause: round failed: %s: %s", type(e).__name__, e)
 
 
 async def stop_for(svc: RuntimeService | None) -> None:

@@ -212,6 +212,12 @@ class SandboxCgroups:
         self._set_frozen(False, timeout)
 
     def _set_frozen(self, frozen: bool, timeout: float) -> None:
+        try:
+            self._set_frozen_unchecked(frozen, timeout)
+        except FileNotFoundError:       # the cgroup went away (the sandbox was removed meanwhile)
+            raise SandboxError(f"cgroup gone: cannot {'freeze' if frozen else 'thaw'}") from None
+
+    def _set_frozen_unchecked(self, frozen: bool, timeout: float) -> None:
         if self.version == "v1":
             if "freezer" not in self.paths:
                 raise SandboxError("no freezer cgroup")

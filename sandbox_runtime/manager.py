@@ -202,6 +202,7 @@ class SandboxManager:
         self.paused_capacity = paused_capacity
         self.activity = activity or Activity()
         self._wake_lock = threading.Lock()   # auto-pause vs. a call that uses the sandbox: one at a time
+        self._removing: set[str] = set()     # being destroyed (under _wake_lock): never paused, woken or used
         self.backends = backends
         self.state = state
         self.budget = budget
@@ -407,6 +408,8 @@ class SandboxManager:
     def pause(self, sandbox_id: str) -> dict:
         with self._wake_lock:
             rec = self.get_record(sandbox_id)
+            if sandbox_id in self._removing:
+                raise Conflict(f"sandbox {sandbox_id!r} is being removed")
             if rec.state == "paused" and rec.paused_by == "idle":
                 rec.paused_by = "api"       # stays paused until resumed by API, not by the next call
                 self.state.put(rec)
@@ -418,6 +421,8 @@ class SandboxManager:
     def resume(self, sandbox_id: str) -> dict:
         with self._wake_lock:
             rec = self.get_record(sandbox_id)
+            if sandbox_id in self._removing:
+                raise Conflict(f"sandbox {sandbox_id!r} is being removed")
             if rec.state != "paused":
                 raise Conflict(f"sandbox {sandbox_id!r} is {rec.state}, not paused")
             self._resume(rec)
@@ -444,6 +449,8 @@ class SandboxManager:
         and it is never paused while the call runs."""
         with self._wake_lock:
             rec = self.get_record(sandbox_id)
+            if sandbox_id in self._removing:
+                raise Conflict(f"sandbox {sandbox_id!r} is being removed")
             if rec.state == "paused" and rec.paused_by == "idle" and rec.handle is not None:
                 idle = self.activity.idle_for(sandbox_id)
                 self._resume(rec)
@@ -489,12 +496,14 @@ class SandboxManager:
             with self._wake_lock:
                 rec = self.state.get(sid)
                 idle = self.activity.idle_for(sid)
-                if rec is None or rec.state != "running" or rec.handle is None or idle < self.auto_pause_seconds:
-                    continue            # used, paused or gone since the look above
+                if (rec is None or rec.state != "running" or rec.handle is None or sid in self._removing
+                        or idle < self.auto_pause_seconds):
+                    continue            # used, paused, being removed or gone since the look above
                 try:
                     self._pause(rec, "idle")
-                except SandboxError as e:   # NotSupported (no freezer), a dead VM: it stays running
-                    log.warning("sandbox %s: auto-pause failed: %s", sid, e)
+                except Exception as e:  # noqa: BLE001 - NotSupported, a dead VM, a vanished cgroup: it
+                    # stays running (counted in full), and one sandbox never stops the others' pauses
+                    log.warning("sandbox %s: auto-pause failed: %s: %s", sid, type(e).__name__, e)
                     self.activity.touch(sid)    # not retried at every tick
                     continue
             self.metrics.auto_pauses.labels(rec.backend).inc()
@@ -664,18 +673,29 @@ class SandboxManager:
 
     # ------------------------------------------------------------------ destroy
     def destroy(self, sandbox_id: str) -> None:
-        rec = self.get_record(sandbox_id)
-        if rec.state == "creating":
-            # its create() is still running and undoes everything itself if it fails
-            raise Conflict(f"sandbox {sandbox_id!r} is being created; destroy it when the create returns")
-        b = self.backends.get(rec.backend)
-        if rec.handle is not None and b is not None:
-            b.destroy(rec.handle)
-        self.switch.detach_sandbox(sandbox_id)
-        self.hooks.forget(sandbox_id)
-        self.state.delete(sandbox_id)
-        self._usage_cache.pop(sandbox_id, None)
-        self.activity.forget(sandbox_id)
+        # Marked under the wake lock: an auto-pause (or a wake, a pause, a resume) already under
+        # way finishes first, and none starts while the backend tears the sandbox down (a freeze
+        # between its kill and its wait would leave killed tasks that never die).
+        with self._wake_lock:
+            rec = self.get_record(sandbox_id)
+            if rec.state == "creating":
+                # its create() is still running and undoes everything itself if it fails
+                raise Conflict(f"sandbox {sandbox_id!r} is being created; destroy it when the create returns")
+            if sandbox_id in self._removing:
+                raise Conflict(f"sandbox {sandbox_id!r} is being removed already")
+            self._removing.add(sandbox_id)
+        try:
+            b = self.backends.get(rec.backend)
+            if rec.handle is not None and b is not None:
+                b.destroy(rec.handle)
+            self.switch.detach_sandbox(sandbox_id)
+            self.hooks.forget(sandbox_id)
+            self.state.delete(sandbox_id)
+            self._usage_cache.pop(sandbox_id, None)
+            self.activity.forget(sandbox_id)
+        finally:
+            with self._wake_lock:
+                self._removing.discard(sandbox_id)
 
     # ------------------------------------------------------------------ read
     def get_record(self, sandbox_id: str) -> SandboxRecord:

@@ -333,8 +333,11 @@ class E2bCore:
             except Exception as e:  # noqa: BLE001 - try again next round
                 log.warning("e2b: cannot kill expired sandbox %s: %s", sid, type(e).__name__)
         for r in self.registry.all():       # destroyed through cubegate's own API
-            if self.state_of(r.sandbox_id) is None:
-                self._destroy(r.sandbox_id)
+            try:
+                if self.state_of(r.sandbox_id) is None:
+                    self._destroy(r.sandbox_id)
+            except Exception as e:  # noqa: BLE001 - try again next round; the others still go
+                log.warning("e2b: cannot forget removed sandbox %s: %s", r.sandbox_id, type(e).__name__)
         return gone
 
     # ================================================================ envd: processes

@@ -49,7 +49,12 @@ class E2bService:
     async def reaper(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            gone = await loop.run_in_executor(self.reaper_pool, self.core.reap_expired)
+            try:
+                gone = await loop.run_in_executor(self.reaper_pool, self.core.reap_expired)
+            except Exception as e:  # noqa: BLE001 - a failed round is retried; a dead reaper would
+                # let every sandbox outlive its end time
+                log.error("e2b: reaper round failed: %s: %s", type(e).__name__, e)
+                gone = []
             for sid in gone:
                 log.info("e2b: sandbox %s reached its end time: killed", sid)
             await asyncio.sleep(REAP_EVERY_S)
