@@ -1,8 +1,12 @@
 """One launcher of a namespace sandbox: `cubegate-agent --parked` (agent.c).
 
 Started as root with its cgroups given; it joins them, says 'R' on its socket (parked)
-and waits for exactly one claim: the netns to enter, the host uid to drop to, the argv
-to exec and the fds that argv names as 3, 4, ... (sent with SCM_RIGHTS). So a pooled
+and waits for exactly one claim: the netns to enter, the host paths the command needs
+(its view), the host uid to drop to, the argv to exec and the fds that argv names as
+3, 4, ... (sent with SCM_RIGHTS). Before the exec it pivots into a mount namespace of
+its own that holds only the view: bwrap re-reads its mountinfo for every mount it
+makes, so that table stays short whatever the host has mounted (one netns per sandbox
+and pooled slot, every template sandbox's root), and none of it is in its sight. So a pooled
 launcher has paid the cgroup migration (an RCU grace period on cgroup v1) before any
 start needs it, and the start itself is one sendmsg instead of fork + two execs.
 
@@ -20,6 +24,8 @@ from pathlib import Path
 
 CLAIM_MAX = 65536       # agent.c CLAIM_MAX (one SOCK_SEQPACKET message)
 CLAIM_FDS = 16          # agent.c CLAIM_FDS
+VIEW_MAX = 64           # agent.c VIEW_MAX
+VIEW_ROOT = "/tmp"      # agent.c VIEW_ROOT: where the view is built, never a view path itself
 FIRST_FD = 3
 # bwrap's pid 1 keeps the environment it was started with (readable inside as
 # /proc/1/environ): minimal, the daemon's (vault key!) must never reach it.
@@ -30,13 +36,35 @@ class LauncherError(RuntimeError):
     pass
 
 
-def claim_message(netns_path: str, uid: int, argv: list[str]) -> bytes:
-    """The claim agent.c parses: NUL-terminated netns path, uid, argv."""
+def outermost(paths) -> list[str]:
+    """The paths none of the others contains (sorted, without duplicates): what a view binds."""
+    out: list[str] = []
+    for p in sorted(set(paths), key=len):
+        if not any(p == q or p.startswith(q + "/") for q in out):
+            out.append(p)
+    return sorted(out)
+
+
+def check_view(view: list[str]) -> None:
+    """What agent.c's small_view() accepts: 1..VIEW_MAX clean absolute paths, none nested."""
+    if not 1 <= len(view) <= VIEW_MAX:
+        raise LauncherError(f"a view of {len(view)} paths (1..{VIEW_MAX})")
+    for p in view:
+        if not p.startswith("/") or p == "/" or os.path.normpath(p) != p or p.startswith("//") or p == VIEW_ROOT:
+            raise LauncherError(f"view path {p!r} is not a clean absolute path")
+    if outermost(view) != sorted(view):
+        raise LauncherError("view paths are nested or repeated")
+
+
+def claim_message(netns_path: str, uid: int, view: list[str], argv: list[str]) -> bytes:
+    """The claim agent.c parses, NUL-terminated fields: netns path, uid, number of view paths,
+    the view paths (the only host paths the command will see), argv."""
     if uid <= 0:
         raise LauncherError("a sandbox never runs as host root")
-    fields = [netns_path, str(uid), *argv]
+    fields = [netns_path, str(uid), str(len(view)), *view, *argv]
     if not argv or any("\0" in f for f in fields):
         raise LauncherError("malformed claim")
+    check_view(view)
     msg = b"".join(f.encode() + b"\0" for f in fields)
     if len(msg) >= CLAIM_MAX:
         raise LauncherError(f"claim of {len(msg)} bytes exceeds {CLAIM_MAX}")
@@ -87,15 +115,16 @@ class Launcher:
         if got != b"R":
             raise LauncherError(f"launcher exited before it was parked: {self.stderr_tail()}")
 
-    def claim(self, netns_path: str, uid: int, argv: list[str], fds: list[int]) -> None:
-        """Hand it the sandbox: it enters netns_path, becomes uid, execs argv with fds as 3, 4, ...
+    def claim(self, netns_path: str, uid: int, view: list[str], argv: list[str], fds: list[int]) -> None:
+        """Hand it the sandbox: it enters netns_path, pivots into a mount namespace holding only
+        the host paths in view (claim_message), becomes uid, execs argv with fds as 3, 4, ...
         Close the socket only once it has exec'd (close_socket): a close with its 'R' still
         unread would reset the connection before it read the claim."""
         if self.claimed:
             raise LauncherError("launcher already claimed")     # one sandbox per launcher, ever
         if len(fds) > CLAIM_FDS:
             raise LauncherError(f"{len(fds)} fds exceed {CLAIM_FDS}")
-        msg = claim_message(netns_path, uid, argv)
+        msg = claim_message(netns_path, uid, view, argv)
         try:
             socket.send_fds(self.sock, [msg], fds)
             self.claimed = True

@@ -3,7 +3,8 @@
 Process chain of one sandbox (one pid until bwrap forks):
 
   cubegate-agent --parked FD --cgroup <procs>...   (root: setsid, join the cgroups, wait for
-      the claim on FD; then enter the netns, drop host root to the sandbox uid — launcher.py)
+      the claim on FD; then enter the netns, pivot into a mount namespace holding only the
+    host paths bwrap needs (launcher_view), drop host root to the sandbox uid — launcher.py)
     → bwrap (unprivileged, new user/pid/ipc/uts/cgroup/mount namespaces, seccomp, no caps)
       → pid 1: bwrap's reaper → pid 2: cubegate-agent --listen-fd 3
 
@@ -46,7 +47,7 @@ from sandbox_runtime.agent.client import AgentClient, AgentError, unix_connector
 from sandbox_runtime.backend import ExecResult, Handle, NotSupported, SandboxError, SandboxSpec
 from sandbox_runtime.build_agent import BINARY as AGENT_BINARY
 from sandbox_runtime.cgroups import SandboxCgroups, detect
-from sandbox_runtime.launcher import Launcher, LauncherError, fd_numbers
+from sandbox_runtime.launcher import Launcher, LauncherError, fd_numbers, outermost
 from sandbox_runtime.launchpool import LauncherPool
 from sandbox_runtime.templates import rootfs as tpl_rootfs
 from sandbox_runtime.templates import trust as tpl_trust
@@ -159,6 +160,44 @@ def bwrap_template_argv(*, sandbox_id: str, root_fds: dict[str, int], disk_mb: i
           "--remount-ro", "/", "--seccomp", str(seccomp_fd), "--chdir", "/workspace",
           AGENT_PATH, "--listen-fd", str(listen_fd)]
     return a
+
+
+# The bwrap options bwrap_argv and bwrap_template_argv use, and how many arguments each takes
+# (launcher_view reads the host paths out of an argv: an option missing here is an error).
+BWRAP_ARITY = {
+    **dict.fromkeys(("--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+                     "--disable-userns", "--new-session", "--clearenv"), 0),
+    **dict.fromkeys(("--uid", "--gid", "--hostname", "--cap-drop", "--chdir", "--seccomp", "--size", "--tmpfs",
+                     "--proc", "--dev", "--dir", "--remount-ro", "--perms"), 1),
+    **dict.fromkeys(("--setenv", "--symlink", "--ro-bind", "--bind", "--dev-bind", "--ro-bind-try", "--bind-try",
+                     "--dev-bind-try", "--ro-bind-fd", "--bind-fd", "--ro-bind-data"), 2),
+}
+BWRAP_HOST_SOURCES = ("--ro-bind", "--bind", "--dev-bind", "--ro-bind-try", "--bind-try", "--dev-bind-try")
+# What bwrap reads of the host besides its binds: its binary and libraries (the loader is
+# /lib64/... on usr-merged hosts: the links come along), /proc, /dev (--dev binds its nodes).
+BWRAP_OWN = ("/usr", *(f"/{n}" for n in USR_MERGED), "/etc/ld.so.cache", "/proc", "/dev")
+
+
+def launcher_view(argv: list[str], fd_paths: list[str]) -> list[str]:
+    """The host paths a sandbox's bwrap needs, the only ones its launcher keeps in sight
+    (launcher.py): BWRAP_OWN, the sources of argv's binds, and the paths of the fds it gets
+    (its --*-fd sources). A path that is a link brings its target."""
+    paths = [p for p in BWRAP_OWN if os.path.lexists(p)] + [argv[0]] + [os.path.realpath(p) for p in fd_paths]
+    i = 1
+    while i < len(argv) and argv[i].startswith("--"):
+        n = BWRAP_ARITY.get(argv[i])
+        if n is None or i + n >= len(argv):
+            raise SandboxError(f"launcher_view: unknown bwrap option {argv[i]!r}")
+        if argv[i] in BWRAP_HOST_SOURCES and (os.path.lexists(argv[i + 1]) or not argv[i].endswith("-try")):
+            paths.append(os.path.normpath(argv[i + 1]))
+        i += n + 1
+    out = []
+    for p in paths:
+        out.append(p)
+        real = os.path.realpath(p)
+        if real != p:
+            out.append(real)
+    return outermost(out)
 
 
 def _usr_links() -> dict[str, str]:
@@ -522,8 +561,11 @@ class NamespaceBackend:
                 os.lseek(fd, 0, os.SEEK_SET)
                 return fd
 
+            fd_paths: list[str] = []        # what the fds name on the host: bwrap resolves them
+
             def opened(path: str, flags: int) -> int:
                 fds.append(os.open(path, flags | os.O_CLOEXEC))
+                fd_paths.append(path)
                 return fds[-1]
 
             seccomp_fd = memfd("seccomp", self._seccomp)
@@ -546,6 +588,7 @@ class NamespaceBackend:
                                   agent_fd=n[agent_fd], listen_fd=n[listener.fileno()], etc_dir_fd=n[etc_dir_fd],
                                   etc_fds={rel: n[fd] for rel, fd in etc_fds.items()},
                                   usr_links=self._usr_links, env=base_env(sid))
+            view = launcher_view(argv, fd_paths)
             t0 = time.monotonic()
             with phases.phase("spawn"):
                 if launcher is None:
@@ -555,7 +598,7 @@ class NamespaceBackend:
                         _save_handle(Path(h.data["state_dir"]), h)
                 self._children[sid] = launcher.proc
                 try:
-                    launcher.claim(f"/run/netns/{h.netns}", h.data["host_uid"], argv, fds)
+                    launcher.claim(f"/run/netns/{h.netns}", h.data["host_uid"], view, argv, fds)
                 except LauncherError as e:
                     launcher.discard()      # it ran nothing
                     raise SandboxError(f"sandbox start failed: {e}") from None

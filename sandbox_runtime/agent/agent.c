@@ -15,6 +15,8 @@
  *                        one claim on it (see parked()): enter the netns, drop to the
  *                        sandbox uid, exec. Joining ahead of the claim keeps the cgroup
  *                        migration (an RCU grace period on v1) off the start path.
+ *                        Before the exec it moves into a mount namespace of its own that
+ *                        holds only the host paths the claim names (see small_view()).
  *
  * Static, no dependencies beyond libc. Every request is bounded (frame size,
  * exec timeout); malformed input closes the connection, never the agent.
@@ -33,6 +35,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -808,8 +811,121 @@ static int launch(int argc, char **argv) {
 #define CLAIM_MAX 65536
 #define CLAIM_FDS 16
 #define CLAIM_ARGS 4096
+#define VIEW_MAX 64
+#define VIEW_ROOT "/tmp"        /* where the new root is built (bwrap's own choice too) */
 
-/* Receive one claim: "NETNS_PATH\0UID\0ARGV0\0ARGV1\0..." with up to CLAIM_FDS fds.
+/* An absolute path without empty, "." or ".." components, not "/" itself. */
+static int clean_path(const char *p) {
+    if (p[0] != '/' || !p[1] || strlen(p) >= PATH_MAX) return 0;
+    for (const char *c = p; *c; ) {
+        const char *e = strchr(c + 1, '/');
+        size_t n = e ? (size_t)(e - c - 1) : strlen(c + 1);
+        if (n == 0 || (n == 1 && c[1] == '.') || (n == 2 && c[1] == '.' && c[2] == '.')) return 0;
+        if (!e) break;
+        c = e;
+    }
+    return 1;
+}
+
+static int under(const char *p, const char *dir) {
+    size_t n = strlen(dir);
+    return strncmp(p, dir, n) == 0 && (p[n] == '/' || p[n] == 0);
+}
+
+/* Create the directories of `rel` (relative to dirfd `root`, no symlinks followed) and its
+ * last component as a directory (dir) or an empty file (mount point for a file). */
+static int make_path(int root, const char *rel, int dir, const char *link) {
+    char buf[PATH_MAX];
+    snprintf(buf, sizeof buf, "%s", rel);
+    int fd = dup(root);
+    char *c = buf;
+    for (char *slash; fd >= 0 && (slash = strchr(c, '/')); c = slash + 1) {
+        *slash = 0;
+        if (mkdirat(fd, c, 0755) < 0 && errno != EEXIST) { close(fd); return -1; }
+        int next = openat(fd, c, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        close(fd);
+        fd = next;
+    }
+    if (fd < 0) return -1;
+    int rc;
+    if (link) rc = symlinkat(link, fd, c);
+    else if (dir) rc = mkdirat(fd, c, 0755);
+    else {
+        rc = openat(fd, c, O_CREAT | O_EXCL | O_WRONLY | O_NOFOLLOW | O_CLOEXEC, 0444);
+        if (rc >= 0) rc = close(rc);
+    }
+    close(fd);
+    return rc;
+}
+
+/* Replace our mount namespace by a private one whose root is a small tmpfs holding only
+ * `keep` (host paths, absolute, none under another: each a recursive bind of the host's,
+ * or the same symlink) and an empty VIEW_ROOT. bwrap re-reads /proc/self/mountinfo once per
+ * mount it makes: this keeps that table short and the same whatever the host has mounted
+ * (every other sandbox's netns and root), and the host's other mounts out of its sight.
+ * Fails closed: the caller runs nothing unless this returned 0. */
+static int small_view(char **keep, int nkeep) {
+    static int tree[VIEW_MAX];
+    static char target[VIEW_MAX][PATH_MAX];
+    static char link[VIEW_MAX][PATH_MAX];
+    static int isdir[VIEW_MAX];
+    struct stat st;
+    if (nkeep < 1 || nkeep > VIEW_MAX) { fprintf(stderr, "parked: bad view\n"); return -1; }
+    for (int k = 0; k < nkeep; k++) {
+        if (!clean_path(keep[k]) || strcmp(keep[k], VIEW_ROOT) == 0) { fprintf(stderr, "parked: bad view path %s\n", keep[k]); return -1; }
+        for (int j = 0; j < k; j++)
+            if (under(keep[k], keep[j]) || under(keep[j], keep[k])) { fprintf(stderr, "parked: nested view paths %s %s\n", keep[j], keep[k]); return -1; }
+    }
+    /* private before anything changes: nothing done here may propagate to the host */
+    if (unshare(CLONE_NEWNS) < 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) {
+        fprintf(stderr, "parked: private mount namespace: %s\n", strerror(errno));
+        return -1;
+    }
+    /* sources first (lstat, clones): VIEW_ROOT's tmpfs would hide those under it */
+    for (int k = 0; k < nkeep; k++) {
+        tree[k] = -1;
+        link[k][0] = 0;
+        if (lstat(keep[k], &st) < 0) { fprintf(stderr, "parked: view %s: %s\n", keep[k], strerror(errno)); return -1; }
+        if (S_ISLNK(st.st_mode)) {
+            ssize_t n = readlink(keep[k], link[k], PATH_MAX - 1);
+            if (n <= 0) { fprintf(stderr, "parked: view %s: %s\n", keep[k], strerror(errno)); return -1; }
+            link[k][n] = 0;
+            continue;
+        }
+        tree[k] = open_tree(AT_FDCWD, keep[k], OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE | AT_SYMLINK_NOFOLLOW);
+        if (tree[k] < 0) { fprintf(stderr, "parked: view %s: %s\n", keep[k], strerror(errno)); return -1; }
+        isdir[k] = S_ISDIR(st.st_mode);
+        if (snprintf(target[k], PATH_MAX, "%s%s", VIEW_ROOT, keep[k]) >= PATH_MAX) { fprintf(stderr, "parked: view path too long\n"); return -1; }
+    }
+    if (mount("cubegate-view", VIEW_ROOT, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k,nr_inodes=1024") < 0) {
+        fprintf(stderr, "parked: view root: %s\n", strerror(errno));
+        return -1;
+    }
+    int root = open(VIEW_ROOT, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (root < 0 || make_path(root, VIEW_ROOT + 1, 1, NULL) < 0) { perror("parked: view root"); return -1; }
+    for (int k = 0; k < nkeep; k++) {
+        if (make_path(root, keep[k] + 1, isdir[k], link[k][0] ? link[k] : NULL) < 0) {
+            fprintf(stderr, "parked: view %s: %s\n", keep[k], strerror(errno));
+            return -1;
+        }
+        if (tree[k] < 0) continue;
+        if (move_mount(tree[k], "", AT_FDCWD, target[k], MOVE_MOUNT_F_EMPTY_PATH) < 0) {
+            fprintf(stderr, "parked: view %s: %s\n", keep[k], strerror(errno));
+            return -1;
+        }
+        close(tree[k]);
+    }
+    close(root);
+    /* the old root (all of the host's mounts) is stacked under the new one, then detached */
+    if (chdir(VIEW_ROOT) < 0 || syscall(SYS_pivot_root, ".", ".") < 0 || umount2(".", MNT_DETACH) < 0 || chdir("/") < 0) {
+        fprintf(stderr, "parked: pivot to the view: %s\n", strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
+/* Receive one claim: "NETNS_PATH\0UID\0NVIEW\0VIEW1\0...VIEWn\0ARGV0\0ARGV1\0..." with up to
+ * CLAIM_FDS fds (VIEW: the host paths the command needs, see small_view()).
  * Returns the payload length (0: EOF), -1 on error; fds[] / *nfds filled. */
 static ssize_t recv_claim(int sock, char *buf, size_t cap, int *fds, int *nfds) {
     union { char b[CMSG_SPACE(CLAIM_FDS * sizeof(int))]; struct cmsghdr align; } ctl;
@@ -848,8 +964,11 @@ static int parked(int argc, char **argv) {
     if (buf[n - 1] != 0) { fprintf(stderr, "parked: malformed claim\n"); return 2; }
     static char *f[CLAIM_ARGS + 1];
     int nf = split_fields(buf, (uint32_t)n, f, CLAIM_ARGS, NULL);
-    long uid = nf >= 3 ? parse_long(f[1], 10, &ok) : (ok = 0);
+    long uid = nf >= 4 ? parse_long(f[1], 10, &ok) : (ok = 0);
     if (!ok || uid <= 0 || uid > 0x7fffffff) { fprintf(stderr, "parked: malformed claim\n"); return 2; }
+    long nview = parse_long(f[2], 10, &ok);
+    if (!ok || nview < 1 || nview > VIEW_MAX || 3 + nview >= nf) { fprintf(stderr, "parked: malformed claim\n"); return 2; }
+    char **view = f + 3, **cmd = f + 3 + nview;
     f[nf] = NULL;
     /* The command's fds are 3, 4, ... in the order sent: move them above that range first. */
     int tmp[CLAIM_FDS];
@@ -865,14 +984,16 @@ static int parked(int argc, char **argv) {
     int ns = open(f[0], O_RDONLY | O_CLOEXEC);
     if (ns < 0 || setns(ns, CLONE_NEWNET) < 0) { fprintf(stderr, "parked: netns %s: %s\n", f[0], strerror(errno)); return 2; }
     close(ns);
+    /* the netns is entered (by fd): its /run/netns mount, like every other, may go now */
+    if (small_view(view, (int)nview) < 0) return 2;
     /* host root ends here: no supplementary groups, the sandbox's uid and gid, for good */
     if (setgroups(0, NULL) < 0 || setresgid((gid_t)uid, (gid_t)uid, (gid_t)uid) < 0 ||
         setresuid((uid_t)uid, (uid_t)uid, (uid_t)uid) < 0 || getuid() != (uid_t)uid || geteuid() != (uid_t)uid) {
         perror("parked: drop to the sandbox uid");
         return 2;
     }
-    execv(f[2], f + 2);
-    fprintf(stderr, "parked: exec %s: %s\n", f[2], strerror(errno));
+    execv(cmd[0], cmd);
+    fprintf(stderr, "parked: exec %s: %s\n", cmd[0], strerror(errno));
     return 127;
 }
 

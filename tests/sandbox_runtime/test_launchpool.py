@@ -28,6 +28,7 @@ from sandbox_runtime.launchpool import PREFIX, LauncherPool  # noqa: E402
 from sandbox_runtime.namespace import NamespaceBackend  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
+SH_VIEW = [p for p in ("/bin", "/etc/ld.so.cache", "/lib", "/lib64", "/usr") if os.path.lexists(p)]
 
 if detect()[0] != "v1":
     pytest.skip("the launcher pool needs cgroup v1 (rename)", allow_module_level=True)
@@ -89,13 +90,16 @@ def backend(tmp_path, agent_binary):
 
 
 def test_claim_message_refuses_root_and_nul():
-    assert claim_message("/run/netns/x", 1234, ["/bin/true", "a"]) == b"/run/netns/x\x001234\x00/bin/true\x00a\x00"
+    assert claim_message("/run/netns/x", 1234, ["/usr"], ["/bin/true", "a"]) == b"/run/netns/x\x001234\x001\x00/usr\x00/bin/true\x00a\x00"
     with pytest.raises(LauncherError, match="host root"):
-        claim_message("/run/netns/x", 0, ["/bin/true"])
+        claim_message("/run/netns/x", 0, ["/usr"], ["/bin/true"])
     with pytest.raises(LauncherError, match="malformed"):
-        claim_message("/run/netns/x", 1234, ["/bin/true", "a\0b"])
+        claim_message("/run/netns/x", 1234, ["/usr"], ["/bin/true", "a\0b"])
     with pytest.raises(LauncherError, match="malformed"):
-        claim_message("/run/netns/x", 1234, [])
+        claim_message("/run/netns/x", 1234, ["/usr"], [])
+    for view in ([], ["usr"], ["/usr/../etc"], ["/usr", "/usr/bin"], ["/"], ["/tmp"]):
+        with pytest.raises(LauncherError, match="view"):
+            claim_message("/run/netns/x", 1234, view, ["/bin/true"])
 
 
 def test_concurrent_takes_never_share_a_launcher_and_stop_leaves_nothing(pool):
@@ -142,9 +146,9 @@ def test_a_launcher_runs_at_most_one_claim_and_nothing_when_its_socket_closes(tm
         two = Launcher(agent_binary, cg.procs_files())
         two.wait_parked(5)
         assert cg.pids() == [two.pid]       # it joined the cgroups before saying 'R'
-        two.claim(f"/run/netns/{bare_netns}", 65534, ["/bin/sh", "-c", "id -u >&2; id -G >&2; exit 7"], [])
+        two.claim(f"/run/netns/{bare_netns}", 65534, SH_VIEW, ["/bin/sh", "-c", "id -u >&2; id -G >&2; exit 7"], [])
         with pytest.raises(LauncherError, match="already claimed"):
-            two.claim(f"/run/netns/{bare_netns}", 65534, ["/bin/sh", "-c", f"touch {marker}"], [])
+            two.claim(f"/run/netns/{bare_netns}", 65534, SH_VIEW, ["/bin/sh", "-c", f"touch {marker}"], [])
         assert two.proc.wait(timeout=5) == 7
         assert two.stderr_tail().split() == ["65534", "65534"]     # unprivileged, no host groups
         two.close_socket()
@@ -159,9 +163,11 @@ def test_a_claim_as_root_or_malformed_is_refused_by_the_launcher(agent_binary):
     group = _group()
     cg = SandboxCgroups.create(PREFIX + "t2", None, group=group)
     try:
-        for raw in (b"/run/netns/x\x000\x00/bin/true\x00",       # uid 0: stays host root: never
-                    b"/run/netns/x\x001234\x00/bin/true",           # not NUL-terminated
-                    b"/run/netns/x\x00abc\x00/bin/true\x00"):
+        for raw in (b"/run/netns/x\x000\x001\x00/usr\x00/bin/true\x00",       # uid 0: stays host root: never
+                    b"/run/netns/x\x001234\x001\x00/usr\x00/bin/true",           # not NUL-terminated
+                    b"/run/netns/x\x00abc\x001\x00/usr\x00/bin/true\x00",
+                    b"/run/netns/x\x001234\x002\x00/usr\x00/bin/true\x00",      # no command after the view
+                    b"/run/netns/x\x001234\x00/bin/true\x00"):                   # no view
             launcher = Launcher(agent_binary, cg.procs_files())
             launcher.wait_parked(5)
             launcher.sock.send(raw)
