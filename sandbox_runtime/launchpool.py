@@ -1,5 +1,7 @@
 """A pool of parked launchers (launcher.py), each already in cgroups of its own.
 
+- Each launcher parks in its cgroups and its view (launcher.py): the cgroup migration and
+  the copy of the host's mount table are paid here, off the start path.
 - Each launcher gets fresh cgroups named `_launcher-<random token>` (never a sandbox id:
   ids have no '_'), created for it and never reused. `take` pops one under a lock: it
   is handed out once. The caller renames its cgroups to the sandbox's id and sets the
@@ -48,11 +50,12 @@ class LauncherPool(RefillPool[Pooled]):
     name = "launcher-pool"
     prepare_errors = (SandboxError, LauncherError)
 
-    def __init__(self, agent_binary: Path, group: str, size: int, *, quiet_s: float = 0.2,
+    def __init__(self, agent_binary: Path, group: str, size: int, view: list[str], *, quiet_s: float = 0.2,
                  low_water: int | None = None, retry_s: float = 1.0):
+        """view: the static view every launcher pivots into while parked (launcher.py)."""
         super().__init__(size if detect()[0] == "v1" else 0, quiet_s=quiet_s, low_water=low_water,
                          retry_s=retry_s, log=log)
-        self.agent_binary, self.group = Path(agent_binary), group
+        self.agent_binary, self.group, self.view = Path(agent_binary), group, list(view)
 
     def discard_leftovers(self) -> int:
         """Pooled cgroups of a previous daemon of this instance (their launchers exit on EOF)."""
@@ -82,8 +85,8 @@ class LauncherPool(RefillPool[Pooled]):
     def _prepare(self) -> Pooled:
         cg = SandboxCgroups.create(PREFIX + secrets.token_hex(8), None, group=self.group)
         try:
-            launcher = Launcher(self.agent_binary, cg.procs_files())
-        except OSError as e:
+            launcher = Launcher(self.agent_binary, cg.procs_files(), self.view)
+        except (OSError, LauncherError) as e:
             cg.remove()
             raise SandboxError(f"cannot start a launcher: {e}") from None
         item = Pooled(launcher, cg)

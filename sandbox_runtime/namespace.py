@@ -3,8 +3,9 @@
 Process chain of one sandbox (one pid until bwrap forks):
 
   cubegate-agent --parked FD --cgroup <procs>...   (root: setsid, join the cgroups, wait for
-      the claim on FD; then enter the netns, pivot into a mount namespace holding only the
-    host paths bwrap needs (launcher_view), drop host root to the sandbox uid — launcher.py)
+      the claim on FD, in a mount namespace holding only the host paths bwrap needs (its view:
+      launcher_view); then enter the netns, add this sandbox's paths to the view, drop host
+      root to the sandbox uid — launcher.py)
     → bwrap (unprivileged, new user/pid/ipc/uts/cgroup/mount namespaces, seccomp, no caps)
       → pid 1: bwrap's reaper → pid 2: cubegate-agent --listen-fd 3
 
@@ -48,7 +49,7 @@ from sandbox_runtime.agent.client import AgentClient, AgentError, unix_connector
 from sandbox_runtime.backend import ExecResult, Handle, NotSupported, SandboxError, SandboxSpec
 from sandbox_runtime.build_agent import BINARY as AGENT_BINARY
 from sandbox_runtime.cgroups import SandboxCgroups, detect
-from sandbox_runtime.launcher import Launcher, LauncherError, fd_numbers, outermost
+from sandbox_runtime.launcher import Launcher, LauncherError, clone_tree, fd_numbers, outermost
 from sandbox_runtime.launchpool import LauncherPool
 from sandbox_runtime.templates import rootfs as tpl_rootfs
 from sandbox_runtime.templates import trust as tpl_trust
@@ -195,6 +196,22 @@ def launcher_view(argv: list[str], fd_paths: list[str]) -> list[str]:
     return list(_view(argv[0], tuple(sources), tuple(fd_paths)))
 
 
+def static_view() -> list[str]:
+    """The part of every sandbox's view a launcher can hold before its claim: all but the
+    fds' paths (the sandbox's root, its /etc, the agent binary: cloned per start)."""
+    return list(_view(BWRAP, tuple((f"/etc/{rel}", True) for rel in HOST_ETC_BOUND), ()))
+
+
+def view_additions(view: list[str], static: list[str]) -> list[str]:
+    """The paths of `view` that a launcher parked with `static` must be handed (clone_tree)."""
+    inside = lambda p, d: p == d or p.startswith(d + "/")      # noqa: E731
+    for d in static:
+        for p in view:
+            if inside(d, p) and d != p:
+                raise SandboxError(f"view path {p} contains the static {d}")
+    return [p for p in view if not any(inside(p, d) for d in static)]
+
+
 @functools.lru_cache(maxsize=64)
 def _view(bwrap: str, sources: tuple[tuple[str, bool], ...], fd_paths: tuple[str, ...]) -> tuple[str, ...]:
     """launcher_view's file system part: the same for every start of a template-less sandbox
@@ -310,7 +327,8 @@ class NamespaceBackend:
         self._etc_dirs: dict[str, tuple[tuple, Path]] = {}    # gateway ip -> (source signature, dir)
         self._etc_lock = threading.Lock()
         self._usr_links = _usr_links()
-        self.launchers = LauncherPool(self.agent_binary, self.instance, launchers) if launchers > 0 else None
+        self._view = static_view()     # what every launcher holds while parked (launcher.py)
+        self.launchers = LauncherPool(self.agent_binary, self.instance, launchers, self._view) if launchers > 0 else None
         self._launchers_started = False
 
     def _claim_roots(self, *, prune: bool):
@@ -599,20 +617,29 @@ class NamespaceBackend:
                                   agent_fd=n[agent_fd], listen_fd=n[listener.fileno()], etc_dir_fd=n[etc_dir_fd],
                                   etc_fds={rel: n[fd] for rel, fd in etc_fds.items()},
                                   usr_links=self._usr_links, env=base_env(sid))
-            view = launcher_view(argv, fd_paths)
+            added = view_additions(launcher_view(argv, fd_paths), self._view)
             t0 = time.monotonic()
             with phases.phase("spawn"):
                 if launcher is None:
-                    launcher = Launcher(self.agent_binary, cg.procs_files())
+                    launcher = Launcher(self.agent_binary, cg.procs_files(), self._view)
                     _record_pid(h, launcher)
                     with phases.phase("handle"):
                         _save_handle(Path(h.data["state_dir"]), h)
                 self._children[sid] = launcher.proc
+                held: list[int] = []    # the netns and the trees: the launcher has its own copies
                 try:
-                    launcher.claim(f"/run/netns/{h.netns}", h.data["host_uid"], view, argv, fds)
-                except LauncherError as e:
+                    held.append(os.open(f"/run/netns/{h.netns}", os.O_RDONLY | os.O_CLOEXEC))
+                    trees = {}
+                    for p in added:
+                        trees[p] = clone_tree(p)
+                        held.append(trees[p])
+                    launcher.claim(held[0], h.data["host_uid"], trees, argv, fds)
+                except (LauncherError, OSError) as e:
                     launcher.discard()      # it ran nothing
                     raise SandboxError(f"sandbox start failed: {e}") from None
+                finally:
+                    for fd in held:
+                        os.close(fd)
         finally:
             listener.close()    # the agent holds the only listening copy now
             for fd in fds[1:]:

@@ -9,14 +9,15 @@
  *   --launch [--cgroup PROCS_FILE]... -- ARGV...
  *                        host side helper (not inside the sandbox): setsid, join the
  *                        given cgroups, exec ARGV; so the sandbox never runs unconfined.
- *   --parked FD [--cgroup PROCS_FILE]...
+ *   --parked FD [--cgroup PROCS_FILE]... --view PATH...
  *                        host side, the namespace backend's launcher: setsid, join the
- *                        cgroups, say 'R' on the SOCK_SEQPACKET socket FD, then wait for
- *                        one claim on it (see parked()): enter the netns, drop to the
- *                        sandbox uid, exec. Joining ahead of the claim keeps the cgroup
- *                        migration (an RCU grace period on v1) off the start path.
- *                        Before the exec it moves into a mount namespace of its own that
- *                        holds only the host paths the claim names (see small_view()).
+ *                        cgroups, pivot into a mount namespace of its own that holds only
+ *                        the --view paths (build_view()), say 'R' on the SOCK_SEQPACKET
+ *                        socket FD, then wait for one claim on it (see parked()): enter
+ *                        the netns, attach the claim's mount trees, drop to the sandbox
+ *                        uid, exec. All of that ahead of the claim keeps the cgroup
+ *                        migration (an RCU grace period on v1) and the copy of the host's
+ *                        mount table off the start path.
  *
  * Static, no dependencies beyond libc. Every request is bounded (frame size,
  * exec timeout); malformed input closes the connection, never the agent.
@@ -788,10 +789,15 @@ static int set_oom_score(void) {
     return 0;
 }
 
-/* setsid, then every "--cgroup PROCS" from argv[*i] on (stops at "--" or the end). */
-static int confine(int argc, char **argv, int *i) {
+/* setsid, then every "--cgroup PROCS" from argv[*i] on (stops at "--" or the end); each
+ * "--view PATH" goes to `view` (none allowed without one). */
+static int confine(int argc, char **argv, int *i, int (*view)(char *)) {
     setsid();
     for (; *i < argc && strcmp(argv[*i], "--") != 0; (*i)++) {
+        if (*i + 1 < argc && view && strcmp(argv[*i], "--view") == 0) {
+            if (view(argv[++*i]) < 0) return -1;
+            continue;
+        }
         if (strcmp(argv[*i], "--cgroup") != 0 || *i + 1 >= argc) { fprintf(stderr, "launch: bad arguments\n"); return -1; }
         if (join_cgroup(argv[++*i]) < 0) return -1;
     }
@@ -801,7 +807,7 @@ static int confine(int argc, char **argv, int *i) {
 static int launch(int argc, char **argv) {
     /* Host side: setsid, join cgroups, exec. */
     int i = 2;
-    if (confine(argc, argv, &i) < 0) return 2;
+    if (confine(argc, argv, &i, NULL) < 0) return 2;
     if (i + 1 >= argc) { fprintf(stderr, "launch: no command\n"); return 2; }
     execvp(argv[i + 1], argv + i + 1);
     fprintf(stderr, "launch: exec %s: %s\n", argv[i + 1], strerror(errno));
@@ -812,7 +818,7 @@ static int launch(int argc, char **argv) {
 #define CLAIM_FDS 16
 #define CLAIM_ARGS 4096
 #define VIEW_MAX 64
-#define VIEW_ROOT "/tmp"        /* where the new root is built (bwrap's own choice too) */
+#define VIEW_ROOT "/tmp"        /* where the view is built before the pivot (bwrap's own choice too) */
 
 /* An absolute path without empty, "." or ".." components, not "/" itself. */
 static int clean_path(const char *p) {
@@ -832,8 +838,20 @@ static int under(const char *p, const char *dir) {
     return strncmp(p, dir, n) == 0 && (p[n] == '/' || p[n] == 0);
 }
 
+/* Every path clean, none under another (VIEW_MAX at most, static and claimed together). */
+static char *view_paths[VIEW_MAX];
+static int nview_paths;
+
+static int view_add_path(char *p) {
+    if (nview_paths >= VIEW_MAX || !clean_path(p) || strcmp(p, VIEW_ROOT) == 0) { fprintf(stderr, "parked: bad view path %s\n", p); return -1; }
+    for (int j = 0; j < nview_paths; j++)
+        if (under(p, view_paths[j]) || under(view_paths[j], p)) { fprintf(stderr, "parked: nested view paths %s %s\n", view_paths[j], p); return -1; }
+    view_paths[nview_paths++] = p;
+    return 0;
+}
+
 /* Create the directories of `rel` (relative to dirfd `root`, no symlinks followed) and its
- * last component as a directory (dir) or an empty file (mount point for a file). */
+ * last component as a directory (dir), an empty file (a file's mount point) or a symlink. */
 static int make_path(int root, const char *rel, int dir, const char *link) {
     char buf[PATH_MAX];
     snprintf(buf, sizeof buf, "%s", rel);
@@ -858,44 +876,50 @@ static int make_path(int root, const char *rel, int dir, const char *link) {
     return rc;
 }
 
-/* Replace our mount namespace by a private one whose root is a small tmpfs holding only
- * `keep` (host paths, absolute, none under another: each a recursive bind of the host's,
- * or the same symlink) and an empty VIEW_ROOT. bwrap re-reads /proc/self/mountinfo once per
- * mount it makes: this keeps that table short and the same whatever the host has mounted
- * (every other sandbox's netns and root), and the host's other mounts out of its sight.
- * Fails closed: the caller runs nothing unless this returned 0. */
-static int small_view(char **keep, int nkeep) {
-    static int tree[VIEW_MAX];
-    static char target[VIEW_MAX][PATH_MAX];
-    static char link[VIEW_MAX][PATH_MAX];
-    static int isdir[VIEW_MAX];
+/* Attach a detached mount tree (open_tree(OPEN_TREE_CLONE)) at `path` under dirfd `root`
+ * (whose path is `prefix`). */
+static int attach_tree(int root, const char *prefix, const char *path, int tree) {
     struct stat st;
-    if (nkeep < 1 || nkeep > VIEW_MAX) { fprintf(stderr, "parked: bad view\n"); return -1; }
-    for (int k = 0; k < nkeep; k++) {
-        if (!clean_path(keep[k]) || strcmp(keep[k], VIEW_ROOT) == 0) { fprintf(stderr, "parked: bad view path %s\n", keep[k]); return -1; }
-        for (int j = 0; j < k; j++)
-            if (under(keep[k], keep[j]) || under(keep[j], keep[k])) { fprintf(stderr, "parked: nested view paths %s %s\n", keep[j], keep[k]); return -1; }
+    char target[PATH_MAX];
+    if (fstat(tree, &st) < 0 || snprintf(target, sizeof target, "%s%s", prefix, path) >= (int)sizeof target ||
+        make_path(root, path + 1, S_ISDIR(st.st_mode), NULL) < 0 ||
+        move_mount(tree, "", AT_FDCWD, target, MOVE_MOUNT_F_EMPTY_PATH) < 0) {
+        fprintf(stderr, "parked: view %s: %s\n", path, strerror(errno));
+        return -1;
     }
+    return 0;
+}
+
+/* At park time: replace our mount namespace by a private one whose root is a small tmpfs
+ * holding only the static view (host paths: each a recursive bind of the host's, or the
+ * same symlink) and an empty VIEW_ROOT. bwrap re-reads /proc/self/mountinfo once per mount
+ * it makes: this keeps that table short and the same whatever the host has mounted (every
+ * other sandbox's netns and root), keeps all that out of its sight, and takes the copy of
+ * the host's table off the start path. Fails closed: the caller parks only on 0. */
+static int build_view(void) {
+    int tree[VIEW_MAX];
+    static char link[VIEW_MAX][PATH_MAX];
+    struct stat st;
+    if (nview_paths < 1) { fprintf(stderr, "parked: no view\n"); return -1; }
     /* private before anything changes: nothing done here may propagate to the host */
     if (unshare(CLONE_NEWNS) < 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) {
         fprintf(stderr, "parked: private mount namespace: %s\n", strerror(errno));
         return -1;
     }
     /* sources first (lstat, clones): VIEW_ROOT's tmpfs would hide those under it */
-    for (int k = 0; k < nkeep; k++) {
+    for (int k = 0; k < nview_paths; k++) {
         tree[k] = -1;
         link[k][0] = 0;
-        if (lstat(keep[k], &st) < 0) { fprintf(stderr, "parked: view %s: %s\n", keep[k], strerror(errno)); return -1; }
+        const char *p = view_paths[k];
+        if (lstat(p, &st) < 0) { fprintf(stderr, "parked: view %s: %s\n", p, strerror(errno)); return -1; }
         if (S_ISLNK(st.st_mode)) {
-            ssize_t n = readlink(keep[k], link[k], PATH_MAX - 1);
-            if (n <= 0) { fprintf(stderr, "parked: view %s: %s\n", keep[k], strerror(errno)); return -1; }
+            ssize_t n = readlink(p, link[k], PATH_MAX - 1);
+            if (n <= 0) { fprintf(stderr, "parked: view %s: %s\n", p, strerror(errno)); return -1; }
             link[k][n] = 0;
             continue;
         }
-        tree[k] = open_tree(AT_FDCWD, keep[k], OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE | AT_SYMLINK_NOFOLLOW);
-        if (tree[k] < 0) { fprintf(stderr, "parked: view %s: %s\n", keep[k], strerror(errno)); return -1; }
-        isdir[k] = S_ISDIR(st.st_mode);
-        if (snprintf(target[k], PATH_MAX, "%s%s", VIEW_ROOT, keep[k]) >= PATH_MAX) { fprintf(stderr, "parked: view path too long\n"); return -1; }
+        tree[k] = open_tree(AT_FDCWD, p, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE | AT_SYMLINK_NOFOLLOW);
+        if (tree[k] < 0) { fprintf(stderr, "parked: view %s: %s\n", p, strerror(errno)); return -1; }
     }
     if (mount("cubegate-view", VIEW_ROOT, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k,nr_inodes=1024") < 0) {
         fprintf(stderr, "parked: view root: %s\n", strerror(errno));
@@ -903,17 +927,13 @@ static int small_view(char **keep, int nkeep) {
     }
     int root = open(VIEW_ROOT, O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     if (root < 0 || make_path(root, VIEW_ROOT + 1, 1, NULL) < 0) { perror("parked: view root"); return -1; }
-    for (int k = 0; k < nkeep; k++) {
-        if (make_path(root, keep[k] + 1, isdir[k], link[k][0] ? link[k] : NULL) < 0) {
-            fprintf(stderr, "parked: view %s: %s\n", keep[k], strerror(errno));
+    for (int k = 0; k < nview_paths; k++) {
+        if (tree[k] >= 0 ? attach_tree(root, VIEW_ROOT, view_paths[k], tree[k]) < 0
+                         : make_path(root, view_paths[k] + 1, 0, link[k]) < 0) {
+            fprintf(stderr, "parked: view %s: %s\n", view_paths[k], strerror(errno));
             return -1;
         }
-        if (tree[k] < 0) continue;
-        if (move_mount(tree[k], "", AT_FDCWD, target[k], MOVE_MOUNT_F_EMPTY_PATH) < 0) {
-            fprintf(stderr, "parked: view %s: %s\n", keep[k], strerror(errno));
-            return -1;
-        }
-        close(tree[k]);
+        if (tree[k] >= 0) close(tree[k]);
     }
     close(root);
     /* the old root (all of the host's mounts) is stacked under the new one, then detached */
@@ -924,8 +944,9 @@ static int small_view(char **keep, int nkeep) {
     return 0;
 }
 
-/* Receive one claim: "NETNS_PATH\0UID\0NVIEW\0VIEW1\0...VIEWn\0ARGV0\0ARGV1\0..." with up to
- * CLAIM_FDS fds (VIEW: the host paths the command needs, see small_view()).
+/* Receive one claim: "UID\0NTREES\0PATH1\0...PATHn\0ARGV0\0ARGV1\0..." with fds: the netns
+ * to enter, then one detached mount tree per PATH (what the daemon cloned for this start,
+ * attached there in the view), then the command's (up to CLAIM_FDS in all).
  * Returns the payload length (0: EOF), -1 on error; fds[] / *nfds filled. */
 static ssize_t recv_claim(int sock, char *buf, size_t cap, int *fds, int *nfds) {
     union { char b[CMSG_SPACE(CLAIM_FDS * sizeof(int))]; struct cmsghdr align; } ctl;
@@ -944,16 +965,16 @@ static ssize_t recv_claim(int sock, char *buf, size_t cap, int *fds, int *nfds) 
 }
 
 static int parked(int argc, char **argv) {
-    /* A pooled launcher of the namespace backend. Confined first (cgroups named by a one-use
-     * token; the daemon renames them to the sandbox's and sets its limits before it claims),
-     * then 'R', then one claim. It runs at most one command: EOF (the daemon went away or
-     * discarded it) or anything malformed ends it with nothing run. */
+    /* A launcher of the namespace backend. Confined first (cgroups named by a one-use token;
+     * the daemon renames them to the sandbox's and sets its limits before it claims), then
+     * in its view (build_view), then 'R', then one claim. It runs at most one command: EOF
+     * (the daemon went away or discarded it) or anything malformed ends it with nothing run. */
     int ok;
     long sock = argc >= 3 ? parse_long(argv[2], 10, &ok) : (ok = 0);
     if (!ok || sock < 3 || sock > 1023) { fprintf(stderr, "parked: bad fd\n"); return 2; }
     fcntl((int)sock, F_SETFD, FD_CLOEXEC);
     int i = 3;
-    if (confine(argc, argv, &i) < 0 || i != argc) return 2;
+    if (confine(argc, argv, &i, view_add_path) < 0 || i != argc || build_view() < 0) return 2;
     /* parked now (the pool counts it ready); a daemon that claimed at once may have closed its end */
     if (send((int)sock, "R", 1, MSG_NOSIGNAL) != 1) {}
     static char buf[CLAIM_MAX];
@@ -964,28 +985,34 @@ static int parked(int argc, char **argv) {
     if (buf[n - 1] != 0) { fprintf(stderr, "parked: malformed claim\n"); return 2; }
     static char *f[CLAIM_ARGS + 1];
     int nf = split_fields(buf, (uint32_t)n, f, CLAIM_ARGS, NULL);
-    long uid = nf >= 4 ? parse_long(f[1], 10, &ok) : (ok = 0);
+    long uid = nf >= 3 ? parse_long(f[0], 10, &ok) : (ok = 0);
     if (!ok || uid <= 0 || uid > 0x7fffffff) { fprintf(stderr, "parked: malformed claim\n"); return 2; }
-    long nview = parse_long(f[2], 10, &ok);
-    if (!ok || nview < 1 || nview > VIEW_MAX || 3 + nview >= nf) { fprintf(stderr, "parked: malformed claim\n"); return 2; }
-    char **view = f + 3, **cmd = f + 3 + nview;
-    f[nf] = NULL;
-    /* The command's fds are 3, 4, ... in the order sent: move them above that range first. */
-    int tmp[CLAIM_FDS];
-    for (int k = 0; k < nfds; k++) {
-        tmp[k] = fcntl(fds[k], F_DUPFD_CLOEXEC, 3 + nfds);
-        if (tmp[k] < 0) { perror("parked: dup"); return 2; }
-        close(fds[k]);
+    long ntrees = parse_long(f[1], 10, &ok);
+    if (!ok || ntrees < 0 || ntrees > VIEW_MAX || 2 + ntrees >= nf || 1 + ntrees > nfds) {
+        fprintf(stderr, "parked: malformed claim\n");
+        return 2;
     }
-    for (int k = 0; k < nfds; k++) {
+    char **cmd = f + 2 + ntrees;
+    f[nf] = NULL;
+    if (setns(fds[0], CLONE_NEWNET) < 0) { fprintf(stderr, "parked: netns: %s\n", strerror(errno)); return 2; }
+    close(fds[0]);
+    int root = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    for (int k = 0; k < ntrees; k++) {
+        if (root < 0 || view_add_path(f[2 + k]) < 0 || attach_tree(root, "", f[2 + k], fds[1 + k]) < 0) return 2;
+        close(fds[1 + k]);
+    }
+    close(root);
+    /* The command's fds are 3, 4, ... in the order sent: move them above that range first. */
+    int *mine = fds + 1 + ntrees, nmine = nfds - 1 - (int)ntrees, tmp[CLAIM_FDS];
+    for (int k = 0; k < nmine; k++) {
+        tmp[k] = fcntl(mine[k], F_DUPFD_CLOEXEC, 3 + nmine);
+        if (tmp[k] < 0) { perror("parked: dup"); return 2; }
+        close(mine[k]);
+    }
+    for (int k = 0; k < nmine; k++) {
         if (dup2(tmp[k], 3 + k) < 0) { perror("parked: dup2"); return 2; }
         close(tmp[k]);
     }
-    int ns = open(f[0], O_RDONLY | O_CLOEXEC);
-    if (ns < 0 || setns(ns, CLONE_NEWNET) < 0) { fprintf(stderr, "parked: netns %s: %s\n", f[0], strerror(errno)); return 2; }
-    close(ns);
-    /* the netns is entered (by fd): its /run/netns mount, like every other, may go now */
-    if (small_view(view, (int)nview) < 0) return 2;
     /* host root ends here: no supplementary groups, the sandbox's uid and gid, for good */
     if (setgroups(0, NULL) < 0 || setresgid((gid_t)uid, (gid_t)uid, (gid_t)uid) < 0 ||
         setresuid((uid_t)uid, (uid_t)uid, (uid_t)uid) < 0 || getuid() != (uid_t)uid || geteuid() != (uid_t)uid) {
@@ -1029,6 +1056,6 @@ int main(int argc, char **argv) {
     if (argc == 3 && strcmp(argv[1], "--serve-fd") == 0) serve_stream(argv[2]);
     fprintf(stderr, "usage: %s --listen-unix PATH | --listen-fd N | --serve-fd PATH | --version\n"
                     "       %s --launch [--cgroup PROCS_FILE]... -- ARGV...\n"
-                    "       %s --parked FD [--cgroup PROCS_FILE]...\n", argv[0], argv[0], argv[0]);
+                    "       %s --parked FD [--cgroup PROCS_FILE]... --view PATH...\n", argv[0], argv[0], argv[0]);
     return 2;
 }

@@ -15,7 +15,7 @@ import pytest
 from cubevs import netns as cubevs_netns
 from sandbox_runtime.backend import Limits, SandboxError, SandboxSpec
 from sandbox_runtime.launcher import LauncherError, check_view, outermost
-from sandbox_runtime.namespace import NamespaceBackend, bwrap_argv, launcher_view
+from sandbox_runtime.namespace import NamespaceBackend, bwrap_argv, launcher_view, static_view, view_additions
 
 pytestmark = pytest.mark.netns
 
@@ -57,6 +57,15 @@ def test_view_of_bwrap_argv_has_its_binds_its_fds_and_bwraps_own_paths(tmp_path)
     for bad in ([], ["/usr", "/usr/lib"], ["/usr/./lib"], ["relative"], ["/tmp"]):
         with pytest.raises(LauncherError):
             check_view(bad)
+
+
+def test_a_claim_adds_only_what_the_static_view_lacks():
+    static = static_view()
+    assert "/usr" in static and "/proc" in static and not any(p.startswith("/run") for p in static)
+    needed = outermost(static + ["/run/cubegate/roots/i/sb/root", "/opt/agent"])
+    assert view_additions(needed, static) == ["/opt/agent", "/run/cubegate/roots/i/sb/root"]
+    with pytest.raises(SandboxError, match="contains the static"):
+        view_additions(["/etc"], ["/etc/alternatives"])     # cannot be attached around a bind
 
 
 # ------------------------------------------------------------------ real sandboxes

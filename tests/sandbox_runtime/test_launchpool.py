@@ -69,7 +69,7 @@ def _remove_group(group: str) -> None:
 @pytest.fixture
 def pool(agent_binary):
     group = _group()
-    p = LauncherPool(agent_binary, group, 4, quiet_s=0.0)
+    p = LauncherPool(agent_binary, group, 4, SH_VIEW, quiet_s=0.0)
     try:
         yield p
     finally:
@@ -90,16 +90,16 @@ def backend(tmp_path, agent_binary):
 
 
 def test_claim_message_refuses_root_and_nul():
-    assert claim_message("/run/netns/x", 1234, ["/usr"], ["/bin/true", "a"]) == b"/run/netns/x\x001234\x001\x00/usr\x00/bin/true\x00a\x00"
+    assert claim_message(1234, ["/srv/x"], ["/bin/true", "a"]) == b"1234\x001\x00/srv/x\x00/bin/true\x00a\x00"
     with pytest.raises(LauncherError, match="host root"):
-        claim_message("/run/netns/x", 0, ["/usr"], ["/bin/true"])
+        claim_message(0, [], ["/bin/true"])
     with pytest.raises(LauncherError, match="malformed"):
-        claim_message("/run/netns/x", 1234, ["/usr"], ["/bin/true", "a\0b"])
+        claim_message(1234, [], ["/bin/true", "a\0b"])
     with pytest.raises(LauncherError, match="malformed"):
-        claim_message("/run/netns/x", 1234, ["/usr"], [])
+        claim_message(1234, [], [])
     for view in ([], ["usr"], ["/usr/../etc"], ["/usr", "/usr/bin"], ["/"], ["/tmp"]):
         with pytest.raises(LauncherError, match="view"):
-            claim_message("/run/netns/x", 1234, view, ["/bin/true"])
+            Launcher(Path("/bin/true"), [], view)
 
 
 def test_concurrent_takes_never_share_a_launcher_and_stop_leaves_nothing(pool):
@@ -138,17 +138,21 @@ def test_a_launcher_runs_at_most_one_claim_and_nothing_when_its_socket_closes(tm
     cg = SandboxCgroups.create(PREFIX + "t1", None, group=group)
     marker = tmp_path / "ran"
     try:
-        one = Launcher(agent_binary, cg.procs_files())
+        one = Launcher(agent_binary, cg.procs_files(), SH_VIEW)
         one.wait_parked(5)
         one.close_socket()                  # what a dead daemon looks like to it
         assert one.proc.wait(timeout=5) == 0
         assert not marker.exists()
-        two = Launcher(agent_binary, cg.procs_files())
+        two = Launcher(agent_binary, cg.procs_files(), SH_VIEW)
         two.wait_parked(5)
         assert cg.pids() == [two.pid]       # it joined the cgroups before saying 'R'
-        two.claim(f"/run/netns/{bare_netns}", 65534, SH_VIEW, ["/bin/sh", "-c", "id -u >&2; id -G >&2; exit 7"], [])
-        with pytest.raises(LauncherError, match="already claimed"):
-            two.claim(f"/run/netns/{bare_netns}", 65534, SH_VIEW, ["/bin/sh", "-c", f"touch {marker}"], [])
+        ns = os.open(f"/run/netns/{bare_netns}", os.O_RDONLY)
+        try:
+            two.claim(ns, 65534, {}, ["/bin/sh", "-c", "id -u >&2; id -G >&2; exit 7"], [])
+            with pytest.raises(LauncherError, match="already claimed"):
+                two.claim(ns, 65534, {}, ["/bin/sh", "-c", f"touch {marker}"], [])
+        finally:
+            os.close(ns)
         assert two.proc.wait(timeout=5) == 7
         assert two.stderr_tail().split() == ["65534", "65534"]     # unprivileged, no host groups
         two.close_socket()
@@ -163,12 +167,13 @@ def test_a_claim_as_root_or_malformed_is_refused_by_the_launcher(agent_binary):
     group = _group()
     cg = SandboxCgroups.create(PREFIX + "t2", None, group=group)
     try:
-        for raw in (b"/run/netns/x\x000\x001\x00/usr\x00/bin/true\x00",       # uid 0: stays host root: never
-                    b"/run/netns/x\x001234\x001\x00/usr\x00/bin/true",           # not NUL-terminated
-                    b"/run/netns/x\x00abc\x001\x00/usr\x00/bin/true\x00",
-                    b"/run/netns/x\x001234\x002\x00/usr\x00/bin/true\x00",      # no command after the view
-                    b"/run/netns/x\x001234\x00/bin/true\x00"):                   # no view
-            launcher = Launcher(agent_binary, cg.procs_files())
+        for raw in (b"0\x000\x00/bin/true\x00",              # uid 0: stays host root: never
+                    b"1234\x000\x00/bin/true",                # not NUL-terminated
+                    b"abc\x000\x00/bin/true\x00",
+                    b"1234\x001\x00/srv\x00/bin/true\x00",   # a tree path without its tree fd
+                    b"1234\x002\x00/srv\x00/bin/true\x00",   # no command after the trees
+                    b"1234\x00/bin/true\x00"):                # no tree count
+            launcher = Launcher(agent_binary, cg.procs_files(), SH_VIEW)
             launcher.wait_parked(5)
             launcher.sock.send(raw)
             assert launcher.proc.wait(timeout=5) == 2
@@ -228,7 +233,7 @@ def test_a_dead_daemon_leaves_nothing_claimable(tmp_path, agent_binary):
         import os, sys, time
         sys.path.insert(0, {str(REPO)!r})
         from sandbox_runtime.launchpool import LauncherPool
-        p = LauncherPool({str(agent_binary)!r}, {group!r}, 3, quiet_s=0.0).start()
+        p = LauncherPool({str(agent_binary)!r}, {group!r}, 3, {SH_VIEW!r}, quiet_s=0.0).start()
         deadline = time.monotonic() + 20
         while p.ready() < 3 and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -242,7 +247,7 @@ def test_a_dead_daemon_leaves_nothing_claimable(tmp_path, agent_binary):
         assert len(left) == 3
         # their launchers read EOF and exit having run nothing: the cgroups empty out
         assert _wait(lambda: all(cg.pids() == [] for cg in left), 10)
-        fresh = LauncherPool(agent_binary, group, 0)
+        fresh = LauncherPool(agent_binary, group, 0, SH_VIEW)
         assert fresh.discard_leftovers() == 3
         assert _pooled_cgroups(group) == []
         assert fresh.take() is None          # a new daemon's pool holds nothing of the old one
