@@ -148,3 +148,39 @@ def test_bwrap_sees_its_own_template_root_and_no_other(backend):
         assert len(_under(_mount_points("self"), root_a)) == 2         # the host keeps A's mounts
         r = backend.exec(b, ["sh", "-c", "command -v git; touch /workspace/ok && echo ok"])
         assert r.stdout.decode().split() == ["/usr/bin/git", "ok"], r
+
+
+# ------------------------------------------------------------------ fail closed
+
+SH_VIEW = [p for p in ("/bin", "/etc/ld.so.cache", "/lib", "/lib64", "/usr") if os.path.lexists(p)]
+
+
+def test_a_launcher_whose_view_cannot_be_built_never_parks(agent_binary, tmp_path):
+    from sandbox_runtime.launcher import Launcher
+    launcher = Launcher(agent_binary, [], SH_VIEW + [str(tmp_path / "missing")])
+    try:
+        with pytest.raises(LauncherError, match="missing: No such file"):
+            launcher.wait_parked(5)
+        assert launcher.proc.wait(timeout=5) == 2
+    finally:
+        launcher.discard()
+
+
+def test_a_claimed_tree_inside_the_static_view_is_refused_and_nothing_runs(agent_binary, bare_netns):
+    import socket
+
+    from sandbox_runtime.launcher import Launcher, claim_message, clone_tree
+    launcher = Launcher(agent_binary, [], SH_VIEW)
+    ns, tree = os.open(f"/run/netns/{bare_netns}", os.O_RDONLY), clone_tree("/usr/share")
+    try:
+        launcher.wait_parked(5)
+        with pytest.raises(LauncherError, match="nested"):       # the daemon's side checks first
+            launcher.claim(ns, 65534, {"/usr/share": tree}, ["/bin/true"], [])
+        msg = claim_message(65534, ["/usr/share"], ["/bin/true"])      # /bin/true would exit 0
+        socket.send_fds(launcher.sock, [msg], [ns, tree])        # ... and the launcher's
+        assert launcher.proc.wait(timeout=5) == 2
+        assert "nested view paths" in launcher.stderr_tail()
+    finally:
+        os.close(ns)
+        os.close(tree)
+        launcher.discard()
