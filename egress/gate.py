@@ -624,7 +624,9 @@ class PolicyGate:
         sni = data.client_hello.sni
         st.sni = sni
         refusal: Refusal | None = None
-        if st.transparent and st.host is None:
+        if mitm_internals.unread_server_name(data.client_hello):
+            refusal = Refusal(403, "invalid_sni", "a server_name that is not exactly one valid host name")
+        elif st.transparent and st.host is None:
             if st.port in PLAIN_HTTP_PORTS:
                 refusal = Refusal(403, "tls_on_plain_port", f"TLS ClientHello on plain-HTTP port {st.port}")
             elif not sni:

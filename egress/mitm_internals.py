@@ -218,6 +218,15 @@ def parse_client_hello(data: bytes):
     return _parse(data)
 
 
+def unread_server_name(hello) -> bool:
+    """A ClientHello (mitmproxy.tls.ClientHello) carrying a server_name that mitmproxy's .sni does
+    not stand for: two server_name extensions, or one whose list is not exactly one valid host_name
+    (.sni is then None, or another extension's). A server reads a name of its own choice from it
+    (Go's crypto/tls skips other name types), so the SNI checked would not be the one routed by."""
+    count = sum(1 for ext_type, _ in hello.extensions if ext_type == 0)
+    return count > 1 or (count == 1 and hello.sni is None)
+
+
 def hand_over(master, mode_spec: str, transport, replay: bytes, eof: bool):
     """Give an accepted connection to mitmproxy as if its own listener had accepted it, with
     `replay` (the bytes already read) delivered first. Returns the handler's coroutine.

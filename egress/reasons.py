@@ -83,7 +83,7 @@ _ALL = (
     Reason("tls_without_connect", "gateway", "deny", (403,), "TLS to the explicit proxy port without CONNECT"),
     Reason("tls_on_plain_port", "gateway", "deny", (403,), "a TLS ClientHello on a plain-HTTP port"),
     Reason("sni_missing", "gateway", "deny", (403,), "transparent TLS without SNI: destination unknown"),
-    Reason("invalid_sni", "gateway", "deny", (403,), "the SNI is not a valid host name"),
+    Reason("invalid_sni", "gateway", "deny", (403,), "the SNI is not exactly one valid host name"),
     Reason("sni_mismatch", "gateway", "deny", (403,), "the SNI differs from the CONNECT host"),
     Reason("invalid_client_hello", "gateway", "deny", (), "fast path: the first bytes are not a readable ClientHello"),
     Reason("non_tls_on_tls_port", "gateway", "deny", (), "non-TLS, non-HTTP bytes on a TLS port"),
