@@ -177,3 +177,59 @@ def test_a_readable_server_name_still_tunnels(env, mode):
         s.sendall(hello)
         answer = _first_answer(s)
     assert answer[:1] == b"\x16", f"no ServerHello through the tunnel: {answer!r}"
+
+
+# ------------------------------------------------------------- request-target paths
+def _upstream_got(env, marker: str) -> list[dict]:
+    time.sleep(0.3)                  # the upstream's log is written after it answered
+    return env.hostile.requests(marker)
+
+
+@pytest.mark.parametrize("scheme, host, mode", [("http", he.SINK, "explicit"), ("http", he.SINK, "transparent"),
+                                                ("https", he.H, "explicit"), ("https", he.H, "transparent")],
+                         ids=["plain-explicit", "plain-transparent", "intercepted-explicit", "intercepted-transparent"])
+def test_a_fragment_in_the_request_target_does_not_hide_a_denied_path(env, scheme, host, mode):
+    """FINDING: the policy decides on the path up to a '#' (egress.policy.normalize_path cuts a
+    fragment), while the request goes upstream with the whole target. A request target never has a
+    fragment (RFC 9112 3.2: origin-form is absolute-path ["?" query]; a client drops it), and servers
+    read one differently: Go's ParseRequestURI keeps '#' in the path, and path.Clean (http.FileServer,
+    most routers) then resolves `/ok/#/../../admin` to /admin, past the deny rule for /admin that the
+    gateway checked as /ok/. A '#' anywhere in the request target is refused (invalid_path)."""
+    sb = env.sandbox(mode)
+    m = he.new_marker("a6f")
+    r = sb.get(scheme, host, f"/{m}/#/../../admin")
+    # the fast path's absolute-form parser refused a fragment already (400 invalid_host)
+    assert (r.status, r.reason) in ((403, "invalid_path"), (400, "invalid_host")), r
+    assert _upstream_got(env, m) == [], "the request went upstream"
+
+
+@pytest.mark.parametrize("mode", he.MODES)
+@pytest.mark.parametrize("path", ["/v1/..;/admin-{m}", "/v1/%2e%2e;/admin-{m}", "/v1/.;/../admin-{m}",
+                                  "/v1/#/../admin-{m}"])
+def test_a_binding_path_prefix_is_not_escaped_by_what_a_server_reads_as_a_dot_segment(env, mode, path):
+    """FINDING: the vault matches a binding's path_prefixes on its own reading of the path
+    (vault.bindings.clean_path), which refused `..`, `.` and encoded dots or slashes but took
+    `/v1/..;/admin` (Tomcat/Spring read the `..;` segment as `..`: the request is for /admin) and
+    `/v1/#/../admin` (cut at '#', sent whole) as under /v1/: the key bound to /v1/ only was injected
+    into a request the server routes elsewhere (the selection cache, keyed on the path cut at '#',
+    even served /v1/'s binding for it). A segment that is a dot segment once its `;params` are
+    dropped, and a '#', now match no prefix (and the policy refuses the '#' anyway): the key never
+    reaches the upstream on them."""
+    sb = env.sandbox(mode)
+    m = he.new_marker("a6b")
+    sb.get("https", he.OTHER, "/v1/")     # the vault's selection for /v1/ is cached: it must not be reused
+    r = sb.get("https", he.OTHER, path.format(m=m))
+    for req in _upstream_got(env, m):
+        auth = [v for k, v in req["headers"] if k.lower() == "authorization"]
+        assert not any(he.KEY_B in v for v in auth), f"the /v1/-only key was injected into {req['target']}"
+    assert he.KEY_B not in r.wire.decode("latin-1")
+
+
+@pytest.mark.parametrize("mode", he.MODES)
+def test_a_path_under_the_binding_prefix_still_gets_its_key(env, mode):
+    """HOLDS (and the fix keeps it): the prefix binding injects under /v1/ (incl. plain ;params)."""
+    sb = env.sandbox(mode)
+    m = he.new_marker("a6k")
+    r = sb.get("https", he.OTHER, f"/v1/{m};x=1/y")
+    assert r.status == 200, r
+    he.injected_request(env.hostile, m, he.KEY_B)
