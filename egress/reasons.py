@@ -132,6 +132,8 @@ _ALL = (
     Reason("range_on_injected_flow", "gateway", "deny", (502,), "a partial (206) response on a flow that carried a credential"),
     Reason("refused_body_too_large", "gateway", "deny", (),
            "a refused request's body went past its allowance: the connection is closed"),
+    Reason("websocket_message_too_large", "gateway", "deny", (),
+           "a WebSocket message past max_buffered_bytes_per_sandbox: the connection is closed (1009)"),
     # ---- gateway: upstream
     Reason("unresolvable", "gateway", "deny", (502,), "the destination name does not resolve"),
     Reason("upstream_blocked", "gateway", "deny", (502,), "mitmproxy's upstream address was refused by the guard"),

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from tests.gateway import hostile_env as he
+from tests.gateway import rawclient
 from tests.gateway.switchlab import switch_lab
 
 pytestmark = pytest.mark.netns
@@ -57,7 +58,8 @@ def _setup_vault(gw) -> None:
 def env(lab, tmp_path_factory):
     hostile = he.ensure_hostile(lab)
     with switch_lab(lab, tmp_path_factory.mktemp("attack6"), POLICY, sandbox=he.SANDBOX, tport=TPORT,
-                    prefix="a6", before_start=_setup_vault) as (gw, sw, net):
+                    prefix="a6", before_start=_setup_vault,
+                    settings_extra={"proxy": {"max_buffered_bytes_per_sandbox": WS_LIMIT}}) as (gw, sw, net):
         out = gw.cli("identity", "placeholders", he.SANDBOX)
         phs = dict(line.split("=", 1) for line in out.split() if "=" in line)
         yield he.Env(gw, sw, net, hostile, phs["CUBEGATE_SECRET_HKEY"])
@@ -233,3 +235,83 @@ def test_a_path_under_the_binding_prefix_still_gets_its_key(env, mode):
     r = sb.get("https", he.OTHER, f"/v1/{m};x=1/y")
     assert r.status == 200, r
     he.injected_request(env.hostile, m, he.KEY_B)
+
+
+# ------------------------------------------------------------- WebSocket messages
+WS_LIMIT = 4 << 20         # proxy.max_buffered_bytes_per_sandbox here (16 MiB by default)
+WS_PIECE = 256 << 10
+
+
+def _ws_upload(sb: he.Sandbox, marker: str, total: int) -> tuple[rawclient.WebSocketClient, int]:
+    """One binary message of `total` bytes toward the upstream, in continuation frames of 256 KiB
+    (the last one only if everything before was taken); (client, bytes written)."""
+    from wsproto.events import BytesMessage
+    sock = sb.tls(he.H)
+    ws = rawclient.WebSocketClient(sock, he.H, f"/ws/{marker}")
+    assert ws.accepted, f"WebSocket not accepted: {bytes(ws.wire[:200])!r}"
+    ws.receive(2)                  # the upstream's two greetings
+    sent, piece = 0, b"\0" * WS_PIECE
+    try:
+        while sent < total:
+            last = sent + WS_PIECE >= total
+            sock.sendall(ws.ws.send(BytesMessage(data=piece, message_finished=last)))
+            sent += WS_PIECE
+    except OSError:
+        pass                       # the gateway cut us off
+    return ws, sent
+
+
+def _closed_by_peer(sock, seconds: float) -> bool:
+    """The gateway closed (or reset) the connection within `seconds` (what it sends meanwhile is read)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        sock.settimeout(max(0.05, deadline - time.monotonic()))
+        try:
+            if sock.recv(1 << 20) == b"":
+                return True
+        except TimeoutError:
+            return False
+        except OSError:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("mode", he.MODES)
+def test_one_websocket_message_is_bounded(env, mode):
+    """FINDING: mitmproxy assembles a whole WebSocket message before any hook sees it (the gate's
+    leak check needs it whole), with no limit, appending each piece wsproto hands it to an immutable
+    bytes (`frame_buf[-1] += data`): the memory one message holds grew without bound and the copying
+    grew with its square, all on the event loop every connection of the worker shares (a 256 MiB
+    message: ~4000 pieces, each copying all that came before). A message is now assembled per frame
+    (each piece once) and bounded: past max_buffered_bytes_per_sandbox the connection is closed (1009
+    message too big to both sides), audited as websocket_message_too_large, and nothing of the
+    message goes upstream."""
+    sb = env.sandbox(mode)
+    m = he.new_marker("a6w")
+    before = len(env.hostile.events("ws_message"))
+    ws, sent = _ws_upload(sb, m, WS_LIMIT + 4 * WS_PIECE)
+    try:
+        ws.receive(3)              # until the close (an echo would be a third message)
+        assert ws.close_code == 1009, f"no 1009 close for an over-long message: {ws.messages[2:3]!r:.100}"
+        assert _closed_by_peer(ws.sock, 5.0), "the gateway kept the connection of an over-long message open"
+    finally:
+        ws.sock.close()
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        got = [e for e in env.hostile.events("ws_message")[before:] if m in (e.get("path") or "")]
+        assert not any(len(e.get("data_b64", "")) > 1000 for e in got), "the over-long message went upstream"
+        time.sleep(0.1)
+    env.gw.wait_record(lambda r: r.get("reason") == "websocket_message_too_large"
+                       and m in (r.get("path") or ""), timeout=3)
+
+
+def test_a_websocket_message_under_the_bound_is_relayed(env):
+    """HOLDS (and the fix keeps it): a 2 MiB message in 256 KiB frames reaches the upstream whole
+    and its echo comes back."""
+    sb = env.sandbox("explicit")
+    m = he.new_marker("a6v")
+    ws, sent = _ws_upload(sb, m, 2 << 20)
+    try:
+        assert ws.receive(3)[2:] == [b"\0" * (2 << 20)], "no echo of the message"
+    finally:
+        ws.sock.close()
