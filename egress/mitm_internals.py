@@ -484,6 +484,28 @@ def install_websocket_control_scrub() -> None:
     cls.send2 = send2
 
 
+# -- HTTP/2 header table ----------------------------------------------------------------
+# h2 hands the peer's SETTINGS_HEADER_TABLE_SIZE (up to 2^32-1) to its HPACK encoder as it comes,
+# and the encoder indexes what it sends: a sandbox announcing a huge table would make us keep
+# every response header of a connection, never evicting. The encoder may use less than the peer
+# allows (RFC 7541 4.2); ours uses at most the protocol's default, as Go's http2 does.
+HPACK_TABLE_MAX = 4096
+
+
+def install_hpack_table_cap(limit: int = HPACK_TABLE_MAX) -> None:
+    import hpack
+
+    prop = hpack.Encoder.header_table_size
+    if getattr(prop.fset, "_cubegate", False):
+        return
+
+    def fset(self, value: int) -> None:
+        prop.fset(self, min(value, limit))
+
+    fset._cubegate = True
+    hpack.Encoder.header_table_size = property(prop.fget, fset, doc=prop.__doc__)
+
+
 # -- WebSocket message size ---------------------------------------------------------------
 # mitmproxy assembles each message whole before the websocket_message hook (which checks it
 # whole), appending every piece wsproto emits to an immutable bytes: memory without bound, and

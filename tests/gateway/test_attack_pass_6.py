@@ -315,3 +315,44 @@ def test_a_websocket_message_under_the_bound_is_relayed(env):
         assert ws.receive(3)[2:] == [b"\0" * (2 << 20)], "no echo of the message"
     finally:
         ws.sock.close()
+
+
+# ------------------------------------------------------------- HTTP/2 header table
+def _response_table_after(responses: int, peer_table_size: int) -> int:
+    """Bytes in the HPACK table mitmproxy's HTTP/2 server side keeps toward a sandbox that announced
+    SETTINGS_HEADER_TABLE_SIZE = peer_table_size, after `responses` responses with a new 1 KiB
+    header each (a Location that reflects a path, a request id, a cookie)."""
+    import h2.connection
+    import h2.settings
+    from mitmproxy.proxy.layers.http._http2 import Http2Server
+    from mitmproxy.proxy.layers.http._http_h2 import BufferedH2Connection
+
+    sandbox = h2.connection.H2Connection()
+    sandbox.initiate_connection()
+    sandbox.update_settings({h2.settings.SettingCodes.HEADER_TABLE_SIZE: peer_table_size})
+    gateway = BufferedH2Connection(Http2Server.h2_conf)
+    gateway.initiate_connection()
+    gateway.receive_data(sandbox.data_to_send())
+    sandbox.receive_data(gateway.data_to_send())
+    for i in range(responses):
+        sid = 2 * i + 1
+        sandbox.send_headers(sid, [(":method", "GET"), (":scheme", "https"), (":authority", "x"), (":path", "/")],
+                             end_stream=True)
+        gateway.receive_data(sandbox.data_to_send())
+        gateway.send_headers(sid, [(b":status", b"301"), (b"location", b"/%d/" % i + b"p" * 1024)], end_stream=True)
+        sandbox.receive_data(gateway.data_to_send())
+    return gateway.encoder.header_table._current_size   # (hpack keeps no public figure)
+
+
+def test_a_sandbox_cannot_grow_the_gateways_http2_header_table():
+    """FINDING: the HPACK encoder toward a peer takes the peer's SETTINGS_HEADER_TABLE_SIZE as it
+    comes (hpack.Encoder.header_table_size = the setting, up to 2^32-1), and indexes every response
+    header it sends: a sandbox announcing a huge table made the gateway keep every response header
+    of a connection for as long as it lasts, never evicting one (a redirect that reflects the path
+    adds 32 KiB per request; 256 such connections per sandbox). The encoder now uses at most the
+    protocol's default 4096 bytes whatever the peer allows (RFC 7541 4.2: the encoder may use less;
+    Go's http2 does the same), on both sides of the engine."""
+    from egress import mitm_internals
+    mitm_internals.install_hpack_table_cap()      # what build_master installs
+    assert _response_table_after(200, 2 ** 31) <= 4096
+    assert _response_table_after(3, 0) == 0      # a peer asking for less still gets less
