@@ -356,3 +356,50 @@ def test_a_sandbox_cannot_grow_the_gateways_http2_header_table():
     mitm_internals.install_hpack_table_cap()      # what build_master installs
     assert _response_table_after(200, 2 ** 31) <= 4096
     assert _response_table_after(3, 0) == 0      # a peer asking for less still gets less
+
+
+# ------------------------------------------------------------- encoded request bodies
+def _gzip_member(payload: bytes, *, fname: bytes = b"", comment: bytes = b"", extra: bytes = b"") -> bytes:
+    import zlib
+    flags = (4 if extra else 0) | (8 if fname else 0) | (16 if comment else 0)
+    head = b"\x1f\x8b\x08" + bytes([flags]) + b"\0\0\0\0\0\xff"
+    if extra:
+        head += struct.pack("<H", len(extra)) + extra
+    head += fname + b"\0" if fname else b""
+    head += comment + b"\0" if comment else b""
+    c = zlib.compressobj(9, zlib.DEFLATED, -15)
+    return head + c.compress(payload) + c.flush() + struct.pack("<II", zlib.crc32(payload), len(payload))
+
+
+def _hidden_in_coding(where: str, secret: bytes) -> tuple[str, bytes]:
+    """(Content-Encoding, body): `secret` where the decoder skips it, the decoded body harmless."""
+    from backports import zstd
+    if where == "zstd_skippable":
+        return "zstd", struct.pack("<II", 0x184D2A50, len(secret)) + secret + zstd.compress(b"hello")
+    return "gzip", _gzip_member(b"hello", **{where.split("_")[1]: secret})
+
+
+@pytest.mark.parametrize("mode", he.MODES)
+@pytest.mark.parametrize("where", ["gzip_comment", "gzip_fname", "gzip_extra", "zstd_skippable"])
+@pytest.mark.parametrize("scheme, host", [("http", he.SINK), ("https", he.OTHER)], ids=["plain-fast", "intercepted"])
+def test_what_a_decoder_skips_in_an_encoded_body_is_leak_checked(env, mode, where, scheme, host):
+    """FINDING: an encoded request body was leak-checked in its decoded form only, and forwarded as
+    it came: what decoders skip — a gzip member's FCOMMENT, FNAME and FEXTRA fields, a zstd skippable
+    frame — reached the upstream unchecked, readable by anyone who looks at the body's bytes (most
+    servers do not decode request bodies at all). The raw bytes of an encoded body are checked too."""
+    sb = env.sandbox(mode)
+    m = he.new_marker("a6z")
+    coding, body = _hidden_in_coding(where, env.placeholder.encode())
+    r = sb.get(scheme, host, f"/{m}", method="POST", body=body, headers=[("Content-Encoding", coding)])
+    assert (r.status, r.reason) == (403, "credential_leak"), r
+    assert _upstream_got(env, m) == [], "the body went upstream"
+
+
+def test_an_encoded_body_without_a_secret_is_still_relayed(env):
+    """HOLDS (and the fix keeps it): a gzip body with a filename and a comment goes through."""
+    sb = env.sandbox("explicit")
+    m = he.new_marker("a6y")
+    body = _gzip_member(b"hello", fname=b"notes.txt", comment=b"nothing secret")
+    r = sb.get("http", he.SINK, f"/{m}", method="POST", body=body, headers=[("Content-Encoding", "gzip")])
+    assert r.status == 200, r
+    assert _upstream_got(env, m)[0]["body"] == body
