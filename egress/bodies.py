@@ -91,9 +91,13 @@ class RequestLeakStream:
         self._decoder = make_decoder(encoding, limits, what="request", on_loop=on_loop)
         self._identity = encoding is None
         self._scanner = vaultlib.StreamLeakScanner(needles)
+        # The raw bytes go upstream as they came, and decoders skip some (gzip FNAME/FCOMMENT/FEXTRA,
+        # zstd skippable frames, brotli metadata): an encoded body is checked raw as well.
+        self._raw_scanner = None if self._identity else vaultlib.StreamLeakScanner(needles)
+        self._raw_fed = self._raw_released = 0
         self._limits = limits
         self._on_refused = on_refused
-        self._held: list[tuple[bytes, int]] = []    # (raw chunk, decoded total once it was fed)
+        self._held: list[tuple[bytes, int, int]] = []   # (raw chunk, decoded total once it was fed, raw total)
         self._held_bytes = 0
         self._released_decoded = 0
         self.failed: BodyRefused | None = None
@@ -118,12 +122,15 @@ class RequestLeakStream:
         if self._identity:
             return [safe] if safe else []
         self._released_decoded += len(safe)
+        self._raw_released += len(self._raw_scanner.finish() if end else self._raw_scanner.feed(chunk))
         if chunk:
-            self._held.append((chunk, self._decoder.decoded))
+            self._raw_fed += len(chunk)
+            self._held.append((chunk, self._decoder.decoded, self._raw_fed))
             self._held_bytes += len(chunk)
         out = []
-        while self._held and (end or self._held[0][1] <= self._released_decoded):
-            raw, _ = self._held.pop(0)
+        while self._held and (end or (self._held[0][1] <= self._released_decoded
+                                      and self._held[0][2] <= self._raw_released)):
+            raw, _, _ = self._held.pop(0)
             self._held_bytes -= len(raw)
             out.append(raw)
         if self._held_bytes > self._limits.max_held_raw_bytes:

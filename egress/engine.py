@@ -38,6 +38,9 @@ def build_master(
     mitm_internals.install_head_limit(gate.max_header_bytes + 16 * 1024, gate.header_timeout)
     mitm_internals.install_hook_queue_bound()    # a client is not read while a hook holds too much of it
     mitm_internals.install_websocket_control_scrub()   # ping/pong payloads and close reasons cross empty
+    mitm_internals.install_hpack_table_cap()     # a peer's huge HPACK table does not make us keep headers
+    # one WebSocket message is held whole (its check needs it): at most what a sandbox may hold at once
+    mitm_internals.install_websocket_message_bound(gate.body_limits.max_buffered_bytes_per_sandbox)
     log_redact.install()                         # no engine log line does either
     opts = options.Options()
     master = Master(opts, with_termlog=False)

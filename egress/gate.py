@@ -624,7 +624,9 @@ class PolicyGate:
         sni = data.client_hello.sni
         st.sni = sni
         refusal: Refusal | None = None
-        if st.transparent and st.host is None:
+        if mitm_internals.unread_server_name(data.client_hello):
+            refusal = Refusal(403, "invalid_sni", "a server_name that is not exactly one valid host name")
+        elif st.transparent and st.host is None:
             if st.port in PLAIN_HTTP_PORTS:
                 refusal = Refusal(403, "tls_on_plain_port", f"TLS ClientHello on plain-HTTP port {st.port}")
             elif not sni:
@@ -1096,6 +1098,20 @@ class PolicyGate:
             self._ws_refused(flow, st, msg, r.reason)
             return
         msg.content = out
+
+    def websocket_end(self, flow: http.HTTPFlow) -> None:
+        ws = flow.websocket
+        if ws is None or not mitm_internals.websocket_message_refused(flow.client_conn.id, flow.server_conn.id):
+            return
+        st = self.conns.get(flow.client_conn.id) or flow.metadata.get("cubegate_conn")
+        if st is not None:
+            st.kind, st.denied_reason = "denied", "websocket_message_too_large"
+            self._audit("websocket", st, decision="deny", reason="websocket_message_too_large",
+                        path=_path_only(flow.request.path),
+                        extra={"direction": "out" if ws.closed_by_client else "in",
+                               "limit": self.body_limits.max_buffered_bytes_per_sandbox})
+            self._count(st, "deny", "websocket_message_too_large", "websocket")
+        self._kill_client(flow.client_conn)   # the 1009 is sent: nothing more is read from it
 
     def _ws_refused(self, flow: http.HTTPFlow, st: ConnState, msg, reason: str) -> None:
         msg.drop()

@@ -218,6 +218,15 @@ def parse_client_hello(data: bytes):
     return _parse(data)
 
 
+def unread_server_name(hello) -> bool:
+    """A ClientHello (mitmproxy.tls.ClientHello) carrying a server_name that mitmproxy's .sni does
+    not stand for: two server_name extensions, or one whose list is not exactly one valid host_name
+    (.sni is then None, or another extension's). A server reads a name of its own choice from it
+    (Go's crypto/tls skips other name types), so the SNI checked would not be the one routed by."""
+    count = sum(1 for ext_type, _ in hello.extensions if ext_type == 0)
+    return count > 1 or (count == 1 and hello.sni is None)
+
+
 def hand_over(master, mode_spec: str, transport, replay: bytes, eof: bool):
     """Give an accepted connection to mitmproxy as if its own listener had accepted it, with
     `replay` (the bytes already read) delivered first. Returns the handler's coroutine.
@@ -473,6 +482,88 @@ def install_websocket_control_scrub() -> None:
 
     send2._cubegate = True
     cls.send2 = send2
+
+
+# -- HTTP/2 header table ----------------------------------------------------------------
+# h2 hands the peer's SETTINGS_HEADER_TABLE_SIZE (up to 2^32-1) to its HPACK encoder as it comes,
+# and the encoder indexes what it sends: a sandbox announcing a huge table would make us keep
+# every response header of a connection, never evicting. The encoder may use less than the peer
+# allows (RFC 7541 4.2); ours uses at most the protocol's default, as Go's http2 does.
+HPACK_TABLE_MAX = 4096
+
+
+def install_hpack_table_cap(limit: int = HPACK_TABLE_MAX) -> None:
+    import hpack
+
+    prop = hpack.Encoder.header_table_size
+    if getattr(prop.fset, "_cubegate", False):
+        return
+
+    def fset(self, value: int) -> None:
+        prop.fset(self, min(value, limit))
+
+    fset._cubegate = True
+    hpack.Encoder.header_table_size = property(prop.fget, fset, doc=prop.__doc__)
+
+
+# -- WebSocket message size ---------------------------------------------------------------
+# mitmproxy assembles each message whole before the websocket_message hook (which checks it
+# whole), appending every piece wsproto emits to an immutable bytes: memory without bound, and
+# copying that grows with the square of the message, on the loop every connection shares. Here
+# the pieces of a frame are joined once (mitmproxy then sees one piece per frame), and a message
+# past the limit closes the connection: 1009 (message too big) to both sides, nothing of it sent.
+WEBSOCKET_TOO_LARGE = 1009
+_ws_limit = [16 << 20]
+_ws_refused: set[str] = set()     # connection ids whose message was too large (the gate audits them)
+
+
+def install_websocket_message_bound(limit: int) -> None:
+    import wsproto.events as wse
+    from mitmproxy.proxy.layers import websocket as ws_layer
+
+    _ws_limit[0] = limit
+    cls = ws_layer.WebsocketConnection
+    if getattr(cls.events, "_cubegate", False):
+        return
+    original = cls.events
+
+    def events(self):
+        if getattr(self, "_cubegate_refused", False):
+            return
+        if not hasattr(self, "_cubegate_pieces"):
+            self._cubegate_pieces, self._cubegate_size = [], 0
+        pieces = self._cubegate_pieces
+        for ev in original(self):
+            if not isinstance(ev, wse.Message):
+                yield ev
+                continue
+            data = ev.data
+            self._cubegate_size += len(data.encode() if isinstance(data, str) else data)
+            if self._cubegate_size > _ws_limit[0]:
+                self._cubegate_refused = True
+                pieces.clear()
+                if len(_ws_refused) > 4096:       # bounded: the gate's websocket_end takes them out
+                    _ws_refused.clear()
+                _ws_refused.add(self.conn.id)
+                yield wse.CloseConnection(code=WEBSOCKET_TOO_LARGE)
+                return
+            pieces.append(data)
+            if ev.frame_finished or ev.message_finished:
+                joined = "".join(pieces) if isinstance(data, str) else b"".join(pieces)
+                pieces.clear()
+                if ev.message_finished:
+                    self._cubegate_size = 0
+                yield type(ev)(data=joined, frame_finished=ev.frame_finished, message_finished=ev.message_finished)
+
+    events._cubegate = True
+    cls.events = events
+
+
+def websocket_message_refused(*conn_ids: str) -> bool:
+    """One of these connections had a WebSocket message past the limit (asked once, at its end)."""
+    hit = [c for c in conn_ids if c in _ws_refused]
+    _ws_refused.difference_update(hit)
+    return bool(hit)
 
 
 def websocket_control_scrub_installed() -> bool:

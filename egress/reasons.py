@@ -83,7 +83,7 @@ _ALL = (
     Reason("tls_without_connect", "gateway", "deny", (403,), "TLS to the explicit proxy port without CONNECT"),
     Reason("tls_on_plain_port", "gateway", "deny", (403,), "a TLS ClientHello on a plain-HTTP port"),
     Reason("sni_missing", "gateway", "deny", (403,), "transparent TLS without SNI: destination unknown"),
-    Reason("invalid_sni", "gateway", "deny", (403,), "the SNI is not a valid host name"),
+    Reason("invalid_sni", "gateway", "deny", (403,), "the SNI is not exactly one valid host name"),
     Reason("sni_mismatch", "gateway", "deny", (403,), "the SNI differs from the CONNECT host"),
     Reason("invalid_client_hello", "gateway", "deny", (), "fast path: the first bytes are not a readable ClientHello"),
     Reason("non_tls_on_tls_port", "gateway", "deny", (), "non-TLS, non-HTTP bytes on a TLS port"),
@@ -132,6 +132,8 @@ _ALL = (
     Reason("range_on_injected_flow", "gateway", "deny", (502,), "a partial (206) response on a flow that carried a credential"),
     Reason("refused_body_too_large", "gateway", "deny", (),
            "a refused request's body went past its allowance: the connection is closed"),
+    Reason("websocket_message_too_large", "gateway", "deny", (),
+           "a WebSocket message past max_buffered_bytes_per_sandbox: the connection is closed (1009)"),
     # ---- gateway: upstream
     Reason("unresolvable", "gateway", "deny", (502,), "the destination name does not resolve"),
     Reason("upstream_blocked", "gateway", "deny", (502,), "mitmproxy's upstream address was refused by the guard"),

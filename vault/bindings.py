@@ -265,14 +265,16 @@ def host_specificity(pattern: str, host: str) -> int | None:
 
 
 def clean_path(path: str) -> str | None:
-    """Path without query/fragment, or None if it hides its real target (dot segments, encoded '/' or '.')."""
-    path = path.split("?", 1)[0].split("#", 1)[0]
-    if not path.startswith("/"):
+    """Path without query, or None if it hides its real target: dot segments (also with ;params,
+    which Tomcat/Spring drop: "/v1/..;/admin" is /admin), encoded '/' or '.', or a '#' (never in a
+    request target; the whole target goes upstream, and a server may resolve "/v1/#/../x" to /x)."""
+    path = path.split("?", 1)[0]     # (what follows is not read: Vault.resolve caches on the rest)
+    if not path.startswith("/") or "#" in path:
         return None
     low = path.lower()
     if "\\" in path or "%2e" in low or "%2f" in low or "%5c" in low or "%00" in low:
         return None
-    if any(seg in (".", "..") for seg in path.split("/")):
+    if any(seg.split(";", 1)[0] in (".", "..") for seg in path.split("/")):
         return None
     return path
 

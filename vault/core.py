@@ -395,9 +395,9 @@ class Vault:
             return None
         with self._lock:
             self._refresh()
-            # select() reads the path without its query (clean_path): neither is the key, so no
-            # query string (where a placeholder may travel) is kept here
-            key = (tenant, host, port, method, path.split("?", 1)[0].split("#", 1)[0])
+            # select() reads the path without its query (clean_path): the query is not in the key, so
+            # no query string (where a placeholder may travel) is kept here; a '#' before it is
+            key = (tenant, host, port, method, path.split("?", 1)[0])
             binding = self._selected.get(key, False)
             if binding is False:    # the same request line on a keep-alive connection: selected once
                 binding = select(self._bindings.get(tenant, ()), host=host, port=port, method=method, path=path)

@@ -101,6 +101,7 @@ class Hello:
     state: str               # "incomplete" | "tls" | "not_tls" | "invalid"
     sni: str | None = None
     looks_like_http: bool = False
+    sni_unread: bool = False     # a server_name .sni does not stand for (mitm_internals.unread_server_name)
 
 
 def read_hello(data: bytes, eof: bool) -> Hello:
@@ -114,7 +115,7 @@ def read_hello(data: bytes, eof: bool) -> Hello:
         return Hello("invalid")
     if hello is None:
         return Hello("invalid") if eof else Hello("incomplete")
-    return Hello("tls", sni=hello.sni)
+    return Hello("tls", sni=hello.sni, sni_unread=mitm_internals.unread_server_name(hello))
 
 
 def _looks_like_http(data: bytes) -> bool:

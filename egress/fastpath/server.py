@@ -334,6 +334,9 @@ class FastPath:
             self._protocol_refusal(c, hello)
             return
         st.sni = hello.sni
+        if hello.sni_unread:
+            self._refuse(c, "invalid_sni", stage="sni", status=403)
+            return
         if hello.sni:
             try:
                 sni_host = normalize_host(hello.sni)
@@ -403,6 +406,9 @@ class FastPath:
             self._hand_over(c)           # non-TLS bytes on 443: the gate refuses them as it always did
             return
         st.sni = hello.sni
+        if hello.sni_unread:
+            self._refuse(c, "invalid_sni", stage="sni", status=403)
+            return
         if not hello.sni:
             self._refuse(c, "sni_missing", stage="sni", status=403)
             return

@@ -259,7 +259,11 @@ def normalize_path(raw: str) -> str:
     """
     if raw == "*":  # OPTIONS * — matches no path rule
         return "*"
-    path = raw.split("#", 1)[0].split("?", 1)[0]
+    if "#" in raw:
+        # A request target has no fragment (RFC 9112 3.2) and the whole target goes upstream:
+        # a server that keeps '#' in its path (Go) resolves "/ok/#/../admin" to /admin.
+        raise InvalidPath("'#' in the request target")
+    path = raw.split("?", 1)[0]
     if not path.startswith("/"):
         raise InvalidPath("path must start with '/'")
     if not _PATH_NEEDS_WORK.search(path) and not path.endswith("/.."):

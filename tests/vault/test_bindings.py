@@ -103,6 +103,7 @@ def test_path_prefix_overlap(bound_vault):
 
 
 @pytest.mark.parametrize("path", ["/v1/../admin", "/v1/%2e%2e/admin", "/v1%2fadmin", "/v1/./x", "/v1\\..\\admin",
+                                  "/v1/..;/admin", "/v1/x/.;/../../admin", "/v1/#/../admin",
                                   "v1/x"])
 def test_path_tricks_do_not_match_a_path_restricted_binding(bound_vault, path):
     bound_vault.remove_binding("b-openai")
