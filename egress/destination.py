@@ -40,12 +40,12 @@ class DecisionCache:
         self._entries: dict[tuple, Decision] = {}
 
     def decide(self, policy, req: RequestInfo) -> Decision:
-        if req.scheme is not None or req.method is not None or req.path is not None:
-            return policy.decide(req)   # request-stage decisions are not cached
+        key = self._key(req)
+        if key is None:
+            return policy.decide(req)
         now = getattr(policy, "clock", time.time)()
         if policy is not self._policy or now >= self._until:
             self._reset(policy, now)
-        key = (req.sandbox_id, tuple(sorted(req.labels.items())), req.host, req.port, req.is_ip_literal)
         decision = self._entries.get(key)
         if decision is None:
             decision = policy.decide(req, now) if hasattr(policy, "clock") else policy.decide(req)
@@ -53,6 +53,12 @@ class DecisionCache:
                 self._entries.clear()
             self._entries[key] = decision
         return decision
+
+    def _key(self, req: RequestInfo) -> tuple | None:
+        """Everything of `req` the decision reads; None: not cached (request-stage decisions here)."""
+        if req.scheme is not None or req.method is not None or req.path is not None:
+            return None
+        return (req.sandbox_id, tuple(sorted(req.labels.items())), req.host, req.port, req.is_ip_literal)
 
     def _reset(self, policy, now: float) -> None:
         grants = getattr(getattr(policy, "grants", None), "grants", ())

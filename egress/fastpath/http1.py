@@ -219,32 +219,49 @@ LAST_CHUNK = b"0\r\n\r\n"
 
 # ------------------------------------------------------------------- responses
 class ResponseReader:
-    """One upstream response (and the 1xx before it), re-framed for the client.
+    """The responses of one upstream connection (and the 1xx before each), re-framed for the client.
 
-    The sink gets: head(status, reason, headers, body_framing) where body_framing is
-    "none" | "length" | "chunked" | "close"; body(bytes); trailers(list); end(keep_alive);
-    error(why). A response head over `max_head_bytes`, more than MAX_INFORMATIONAL 1xx
-    heads or more than `max_head_bytes` of them, or any framing error is an error."""
+    `begin(head_request=...)` before each response. The sink gets: head(status, reason, headers,
+    body_framing) where body_framing is "none" | "length" | "chunked" | "close"; body(bytes);
+    trailers(list); end(keep_alive); error(why). A response head over `max_head_bytes`, more than
+    MAX_INFORMATIONAL 1xx heads or more than `max_head_bytes` of them, or any framing error is an error.
+    Bytes after a response and before the next begin() are an error too.
+
+    llhttp's parser is kept from one response to the next only when llhttp itself ended the last
+    one (its keep-alive state, as for any message sequence); else (a HEAD or 204/304 response it
+    still reads a body for, a failure) the next response gets a new parser."""
 
     MAX_INFORMATIONAL = 32      # 1xx heads before one response (a flood is bounded, not timed out)
 
-    def __init__(self, sink, *, head_request: bool, max_head_bytes: int) -> None:
+    def __init__(self, sink, *, max_head_bytes: int) -> None:
         self.sink = sink
-        self.head_request = head_request
         self.max_head_bytes = max_head_bytes
-        self._parser = httptools.HttpResponseParser(self)
+        self._framing_bound = _FramingBound(max_head_bytes)
+        self._parser = None
+        self._reusable = False          # llhttp ended the last response: its state is a message boundary
+        self.done = True                # no response expected until begin()
+        self.failed = False
+
+    def begin(self, *, head_request: bool) -> "ResponseReader":
+        if self.failed:
+            raise RuntimeError("a failed upstream connection is not reused")
+        if not self._reusable:
+            self._parser = httptools.HttpResponseParser(self)
+        self._reusable = False
+        self.head_request = head_request
         self._headers: list[tuple[bytes, bytes]] = []
         self._trailers: list[tuple[bytes, bytes]] = []
         self._reason = b""
         self._in_head = True
-        self._head_bytes = 0
+        self._head_bytes = 0            # bytes fed while in a head (a head that never ends)
+        self._header_size = 0           # the current head's fields, as counted against max_head_bytes
         self._informational = 0
         self._informational_bytes = 0
-        self._why: str | None = None     # a callback's own refusal (llhttp reports "callback error")
+        self._why: str | None = None    # a callback's own refusal (llhttp reports "callback error")
         self.framing = None
         self.done = False
-        self.failed = False
-        self._framing_bound = _FramingBound(max_head_bytes)
+        self._framing_bound.reset()
+        return self
 
     def feed(self, data: bytes) -> None:
         if self.done or self.failed:
@@ -276,6 +293,7 @@ class ResponseReader:
             self._fail("upstream closed mid-response")
 
     def _fail(self, why: str) -> None:
+        self._reusable = False
         if not self.failed:          # after the response too: the sink drops a misbehaving upstream
             self.failed = True
             self.sink.error(why)
@@ -285,6 +303,7 @@ class ResponseReader:
             raise httptools.HttpParserError("bytes after the response")
         self._in_head = True
         self._headers = []
+        self._header_size = 0
         self._reason = b""
 
     def on_status(self, reason: bytes) -> None:
@@ -295,7 +314,8 @@ class ResponseReader:
             self._trailers.append((bytes(name), bytes(value)))
             return
         self._headers.append((bytes(name), bytes(value)))
-        if sum(len(k) + len(v) + 4 for k, v in self._headers) > self.max_head_bytes:
+        self._header_size += len(name) + len(value) + 4
+        if self._header_size > self.max_head_bytes:
             raise httptools.HttpParserError("upstream response head too large")
 
     def on_headers_complete(self) -> None:
@@ -306,7 +326,7 @@ class ResponseReader:
             if status == 101:
                 raise httptools.HttpParserError("101 without an upgrade request")
             self._informational += 1
-            self._informational_bytes += 16 + len(self._reason) + sum(len(k) + len(v) + 4 for k, v in self._headers)
+            self._informational_bytes += 16 + len(self._reason) + self._header_size
             if self._informational > self.MAX_INFORMATIONAL or self._informational_bytes > self.max_head_bytes:
                 self._why = f"more than {self.MAX_INFORMATIONAL} informational (1xx) responses or their bytes"
                 raise httptools.HttpParserError(self._why)
@@ -314,12 +334,18 @@ class ResponseReader:
             self._in_head = True       # the final response follows
             self._head_bytes = 0
             return
-        te = [v.strip().lower() for k, v in self._headers if k.lower() == b"transfer-encoding"]
-        has_cl = any(k.lower() == b"content-length" for k, _ in self._headers)
+        te = None
+        has_cl = False
+        for k, v in self._headers:
+            n = k.lower()
+            if n == b"transfer-encoding":
+                te = v.strip().lower() if te is None else te + b"," + v.strip().lower()
+            elif n == b"content-length":
+                has_cl = True
         if self.head_request or status in (204, 304):
             self.framing = "none"
-        elif te:
-            self.framing = "chunked" if b",".join(te).split(b",")[-1].strip() == b"chunked" else "close"
+        elif te is not None:
+            self.framing = "chunked" if te.split(b",")[-1].strip() == b"chunked" else "close"
         elif has_cl:
             self.framing = "length"
         else:
@@ -336,9 +362,13 @@ class ResponseReader:
         self.sink.body(bytes(body))
 
     def on_message_complete(self) -> None:
-        if self.done or self._in_head:   # 1xx: not the response yet
+        if self._in_head:              # 1xx: not the response yet
+            return
+        if self.done:                  # "none": llhttp agrees there is no body (204/304, HEAD without one)
+            self._reusable = not self.failed
             return
         self.done = True
+        self._reusable = True
         if self._trailers:
             self.sink.trailers(self._trailers)
         self.sink.end(self._parser.should_keep_alive())

@@ -36,6 +36,7 @@ from egress.bodies import (BodyRefused, RequestLeakStream, check_request_body, m
 from egress.destination import AGENT_HOST, connected_refusal, decide_destination, keep_undenied, needs_interception
 from egress.fastpath import http1
 from egress.fastpath.dial import dial
+from egress.fastpath.request_decisions import RequestDecisionCache
 from egress.http_checks import (PROXY_ONLY_HEADERS, Refusal, check_framing, check_header_limits,
                                 check_request_authority, split_host_port, transparent_host)
 from egress.policy import normalize_host
@@ -227,6 +228,7 @@ class PlainHttp:
         # The vault's checks without a mitmproxy flow (egress/credentials.py); another hook: mitmproxy decides
         self.leak_checks = hasattr(creds, "check_unbound_request") and hasattr(creds, "unbound_needles")
         self.supported = self.leak_checks or isinstance(creds, NoCredentials)
+        self.decisions = RequestDecisionCache()
 
     async def serve(self, c) -> None:
         """Take over a fast-path connection (_Conn) whose first bytes are in c.buf."""
@@ -246,12 +248,13 @@ class PlainHttp:
 
 
 class _Upstream(asyncio.Protocol):
-    """The upstream side of one client connection: bytes into the current ResponseReader."""
+    """The upstream side of one client connection: bytes into its ResponseReader while a response is due."""
 
     def __init__(self, conn: "PlainConn") -> None:
         self.conn = conn
         self.transport = None
-        self.reader: http1.ResponseReader | None = None
+        self.responses = http1.ResponseReader(conn, max_head_bytes=conn.gate.max_header_bytes)
+        self.reader: http1.ResponseReader | None = None    # self.responses, or None: bytes are not relayed
         self.closed = False
         self.writable = asyncio.Event()
         self.writable.set()
@@ -515,7 +518,7 @@ class PlainConn(asyncio.Protocol):
             up = self.up
             verdict = await decide_destination(st, target.raw_host, target.port, policies=gate.policies,
                                                guard=gate.guard, resolver=gate.resolver, scheme="http",
-                                               method=head.method, path=path_s,
+                                               method=head.method, path=path_s, cache=self.h.decisions,
                                                connected_to=self._reusable(up))
             if self.lost:
                 return False
@@ -624,8 +627,7 @@ class PlainConn(asyncio.Protocol):
         self.resp_started = False
         self.resp_trailers = b""
         self.resp_head_request = head.method == "HEAD"
-        up.reader = http1.ResponseReader(self, head_request=head.method == "HEAD",
-                                         max_head_bytes=self.gate.max_header_bytes)
+        up.reader = up.responses.begin(head_request=head.method == "HEAD")
         self._arm_upstream_timer(head, path_s)
         up.transport.write(http1.serialize_request_head(head.method, target.path, headers))
         if held is not None:
