@@ -13,7 +13,7 @@ A response is read by ResponseReader, which calls its sink as it goes.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httptools
 
@@ -28,24 +28,34 @@ class RequestHead:
     chunked: bool
     content_length: int | None
     replay: bytearray | None = None    # raw bytes from this request's first on (None: not known whole)
+    names: list[bytes] = field(default_factory=list)    # headers' names lowercased, in their order
+    by_name: dict[bytes, list[bytes]] = field(default_factory=dict)   # lowercased name → its values in order
+
+    def __post_init__(self) -> None:
+        if not self.names and self.headers:
+            self.names = [k.lower() for k, _ in self.headers]
+        if not self.by_name:
+            for n, (_, v) in zip(self.names, self.headers):
+                self.by_name.setdefault(n, []).append(v)
 
     def get_all(self, name: bytes) -> list[bytes]:
-        return [v for k, v in self.headers if k.lower() == name]
+        """Every value of the (lowercase) `name`, in order."""
+        return self.by_name.get(name, _NONE)
 
     @property
     def has_body(self) -> bool:
         return self.chunked or bool(self.content_length)
 
 
-def _framing(headers: list[tuple[bytes, bytes]]) -> tuple[bool, int | None]:
-    chunked, length = False, None
-    for k, v in headers:
-        n = k.lower()
-        if n == b"transfer-encoding":
-            chunked = True
-        elif n == b"content-length" and v.strip().isdigit():
+_NONE: list[bytes] = []    # get_all's answer for a name not sent (never appended to)
+
+
+def _framing(by_name: dict[bytes, list[bytes]]) -> tuple[bool, int | None]:
+    length = None
+    for v in by_name.get(b"content-length", _NONE):
+        if v.strip().isdigit():
             length = int(v.strip())
-    return chunked, length
+    return b"transfer-encoding" in by_name, length
 
 
 class RequestReader:
@@ -62,6 +72,8 @@ class RequestReader:
         self._parser = httptools.HttpRequestParser(self)
         self._url = bytearray()
         self._headers: list[tuple[bytes, bytes]] = []
+        self._names: list[bytes] = []
+        self._by_name: dict[bytes, list[bytes]] = {}
         self._in_head = False
         self._in_message = False
         self._head_bytes = 0
@@ -134,6 +146,8 @@ class RequestReader:
         self._framing.reset()
         self._url.clear()
         self._headers = []
+        self._names = []
+        self._by_name = {}
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -145,7 +159,15 @@ class RequestReader:
         if not self._in_head:
             self._push("trailers", None)      # refused: a trailer cannot be checked before it is sent
             self._refuse("trailers")
-        self._headers.append((bytes(name), bytes(value)))
+        name, value = bytes(name), bytes(value)
+        self._headers.append((name, value))
+        lower = name.lower()
+        self._names.append(lower)
+        values = self._by_name.get(lower)
+        if values is None:
+            self._by_name[lower] = [value]
+        else:
+            values.append(value)
         self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > self.max_head_bytes:
             self._refuse("head_too_large")
@@ -158,10 +180,11 @@ class RequestReader:
         self._in_head = False
         self._framing.reset()
         p = self._parser
-        chunked, length = _framing(self._headers)
+        chunked, length = _framing(self._by_name)
         head = RequestHead(method=p.get_method().decode("ascii", "replace"), target=bytes(self._url),
                            version=p.get_http_version(), headers=self._headers, keep_alive=p.should_keep_alive(),
-                           chunked=chunked, content_length=length, replay=self._cur_replay)
+                           chunked=chunked, content_length=length, replay=self._cur_replay,
+                           names=self._names, by_name=self._by_name)
         self._cur_replay = None
         if head.replay is not None:
             self._open.append(head)

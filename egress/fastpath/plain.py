@@ -27,6 +27,7 @@ import asyncio
 import functools
 import hashlib
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,7 @@ WRITE_HIGH = 256 * 1024            # a peer's unsent bytes before the other side
 REFUSED_LINGER = 2.0               # after a refusal: how long the sandbox's unread body is drained
 INLINE_CHECK_BYTES = 64 * 1024     # held bodies larger than this are checked off the event loop
 _DROP = frozenset(h.encode() for h in PROXY_ONLY_HEADERS) | {b"expect"}
+_DROP_HOST = _DROP | {b"host"}
 
 # llhttp's messages → the gate's refusal reasons (egress.http_checks names the same shapes)
 _PARSE_REASONS = (
@@ -119,10 +121,13 @@ def host_values(head: http1.RequestHead) -> list[str]:
     out = []
     for v in head.get_all(b"host"):
         v = v.strip(b" \t")
-        if any(not 0x21 <= b <= 0x7e for b in v):
+        if _VISIBLE_ASCII.fullmatch(v) is None:
             raise ValueError("Host header with a byte that is not visible ASCII")
         out.append(v.decode("ascii"))
     return out
+
+
+_VISIBLE_ASCII = re.compile(rb"[\x21-\x7e]*")
 
 
 def explicit_target(head: http1.RequestHead) -> Target | Refusal:
@@ -189,11 +194,9 @@ def _is_agent(host: str) -> bool:
 def needs_mitmproxy(head: http1.RequestHead, *, transparent: bool) -> bool:
     if head.version != "1.1" or head.method in ("CONNECT", "PRI"):
         return True
-    for k, v in head.headers:
-        n = k.lower()
-        if n == b"upgrade" or (n == b"connection" and b"upgrade" in v.lower()) \
-                or (n == b"expect" and v.strip().lower() != b"100-continue"):
-            return True
+    if b"upgrade" in head.by_name or any(b"upgrade" in v.lower() for v in head.get_all(b"connection")) \
+            or any(v.strip().lower() != b"100-continue" for v in head.get_all(b"expect")):
+        return True
     t = head.target
     if transparent:
         return not (t.startswith(b"/") or t[:7].lower() == b"http://")
@@ -615,12 +618,13 @@ class PlainConn(asyncio.Protocol):
             return False
         up = self.up
         # llhttp keeps a value's trailing OWS, which is not part of it (RFC 9110 5.5): sent without
-        headers = [(k, v.rstrip(b" \t")) for k, v in head.headers if k.lower() not in _DROP]
-        if not self.st.transparent or not head.get_all(b"host"):
+        if not self.st.transparent or b"host" not in head.by_name:
             # Absolute form: the target's authority is the Host (RFC 9112 3.2.2: a proxy replaces the
             # sandbox's, which was only checked to name the same host, e.g. an empty one passed)
-            headers = [(k, v) for k, v in headers if k.lower() != b"host"]
-            headers.insert(0, (b"Host", target.authority.encode("ascii")))
+            headers = [(b"Host", target.authority.encode("ascii"))]
+            headers += [(k, v.rstrip(b" \t")) for n, (k, v) in zip(head.names, head.headers) if n not in _DROP_HOST]
+        else:
+            headers = [(k, v.rstrip(b" \t")) for n, (k, v) in zip(head.names, head.headers) if n not in _DROP]
         if head.has_body and held is None and head.get_all(b"expect"):
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")   # as mitmproxy does: we answer it
         self.response = asyncio.get_running_loop().create_future()
