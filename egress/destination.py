@@ -5,6 +5,7 @@ Shared by the mitmproxy gate and the fast path. No upstream I/O but DNS.
 """
 from __future__ import annotations
 
+import functools
 import socket
 import time
 from dataclasses import dataclass
@@ -68,6 +69,30 @@ class DecisionCache:
         self._entries = {}
 
 
+MAX_CACHED_HOST = 255     # longer is no valid name: parsed each time, never held
+
+
+def parse_destination_host(raw_host: str):
+    """(IP literal or None, canonical host or None, why it is invalid or None). Pure, so the
+    hosts of a keep-alive connection's requests are parsed once (bounded: short hosts only)."""
+    if len(raw_host) <= MAX_CACHED_HOST:
+        return _parse_host_cached(raw_host)
+    return _parse_host(raw_host)
+
+
+def _parse_host(raw_host: str):
+    literal = netguard.parse_ip_literal(raw_host)
+    if literal is not None:
+        return literal, str(literal), None
+    try:
+        return None, normalize_host(raw_host), None
+    except ValueError as e:
+        return None, None, str(e)
+
+
+_parse_host_cached = functools.lru_cache(maxsize=4096)(_parse_host)
+
+
 async def decide_destination(st: ConnState, raw_host: str, port: int, *, policies, guard: netguard.AddressGuard,
                              resolver: netguard.GuardedResolver, scheme, method, path,
                              cache: DecisionCache | None = None,
@@ -78,17 +103,13 @@ async def decide_destination(st: ConnState, raw_host: str, port: int, *, policie
     `connected_to`: the (host, port) of an upstream connection the caller already holds (its address
     guarded when it was made): an allowed request to it is not resolved again (no addresses returned).
     The verdict is that of the policy in force when it is returned (a change during the resolve is seen)."""
-    literal = netguard.parse_ip_literal(raw_host)
+    literal, host, invalid = parse_destination_host(raw_host)
     if literal is not None:
         reason = guard.check(literal, port)
         if reason is not None:
             return Verdict(None, Refusal(403, f"ssrf_{reason}", f"destination {literal} is {reason}"))
-        host = str(literal)
-    else:
-        try:
-            host = normalize_host(raw_host)
-        except ValueError as e:
-            return Verdict(None, Refusal(400, "invalid_host", str(e)))
+    elif invalid is not None:
+        return Verdict(None, Refusal(400, "invalid_host", invalid))
     st.ip_literal = literal is not None
     if host == AGENT_HOST:
         return Verdict(None, Refusal(403, "agent_endpoint_plain_http_only",

@@ -34,7 +34,8 @@ from typing import Any
 
 from egress import netguard, records
 from egress.bodies import (BodyRefused, RequestLeakStream, check_request_body, make_decoder)
-from egress.destination import AGENT_HOST, connected_refusal, decide_destination, keep_undenied, needs_interception
+from egress.destination import (AGENT_HOST, MAX_CACHED_HOST, connected_refusal, decide_destination, keep_undenied,
+                                needs_interception, parse_destination_host)
 from egress.fastpath import http1
 from egress.fastpath.dial import dial
 from egress.fastpath.request_decisions import RequestDecisionCache
@@ -77,11 +78,17 @@ def takes_explicit(head: bytes) -> bool:
     return 0 < sp < 32 and head[sp + 1:sp + 8].lower() == b"http://"
 
 
-@functools.lru_cache(maxsize=4096)
 def canonical_host(h: str) -> str:
-    """The gate's _canonical_host (pure: cached; ValueError is not cached and raised again)."""
+    """The gate's _canonical_host (pure: cached for short hosts; ValueError is not cached and raised again)."""
+    return _canonical_host_cached(h) if len(h) <= MAX_CACHED_HOST else _canonical_host(h)
+
+
+def _canonical_host(h: str) -> str:
     lit = netguard.parse_ip_literal(h)
     return str(lit) if lit is not None else normalize_host(h)
+
+
+_canonical_host_cached = functools.lru_cache(maxsize=4096)(_canonical_host)
 
 
 @dataclass
@@ -92,16 +99,16 @@ class Target:
     authority: str      # for the Host header when the sandbox sent none
 
 
+_AUTHORITY_END = re.compile(rb"[/?#]")
+
+
 def _split_absolute(target: bytes) -> tuple[str, bytes]:
     """'http://a.b:8/x?y' → ('a.b:8', b'/x?y'); ValueError on anything else."""
     if target[:7].lower() != b"http://":
         raise ValueError("not an http:// absolute-form target")
     rest = target[7:]
-    cut = len(rest)
-    for sep in (b"/", b"?", b"#"):
-        i = rest.find(sep)
-        if 0 <= i < cut:
-            cut = i
+    m = _AUTHORITY_END.search(rest)
+    cut = m.start() if m is not None else len(rest)
     authority, path = rest[:cut], rest[cut:]
     if not authority:
         raise ValueError("empty authority")
@@ -183,12 +190,8 @@ def connection_tokens_refusal(head: http1.RequestHead) -> Refusal | None:
     return None
 
 
-@functools.lru_cache(maxsize=4096)       # pure; every request asks it
 def _is_agent(host: str) -> bool:
-    try:
-        return normalize_host(host) == AGENT_HOST
-    except ValueError:
-        return False
+    return parse_destination_host(host)[1] == AGENT_HOST
 
 
 def needs_mitmproxy(head: http1.RequestHead, *, transparent: bool) -> bool:
@@ -630,7 +633,6 @@ class PlainConn(asyncio.Protocol):
         self.response = asyncio.get_running_loop().create_future()
         self.resp_started = False
         self.resp_trailers = b""
-        self.resp_head_request = head.method == "HEAD"
         up.reader = up.responses.begin(head_request=head.method == "HEAD")
         self._arm_upstream_timer(head, path_s)
         up.transport.write(http1.serialize_request_head(head.method, target.path, headers))
