@@ -339,7 +339,8 @@ class ResponseReader:
         self._headers.append((bytes(name), bytes(value)))
         self._header_size += len(name) + len(value) + 4
         if self._header_size > self.max_head_bytes:
-            raise httptools.HttpParserError("upstream response head too large")
+            self._why = "upstream response head too large"     # (llhttp would say "callback error")
+            raise httptools.HttpParserError(self._why)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
