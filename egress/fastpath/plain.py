@@ -235,6 +235,7 @@ class PlainHttp:
         self.leak_checks = hasattr(creds, "check_unbound_request") and hasattr(creds, "unbound_needles")
         self.supported = self.leak_checks or isinstance(creds, NoCredentials)
         self.decisions = RequestDecisionCache()
+        self.decide_latency = fp._latency("request")     # the one child every request observes
 
     async def serve(self, c) -> None:
         """Take over a fast-path connection (_Conn) whose first bytes are in c.buf."""
@@ -347,6 +348,7 @@ class PlainConn(asyncio.Protocol):
         self.out: list[bytes] | None = None    # response bytes collected during one upstream read
         self.idle_timer = None
         self.last_activity = 0.0
+        self._registered_as: tuple | None = None    # what _register last registered
 
     # ------------------------------------------------------------ protocol
     def data_received(self, data: bytes) -> None:
@@ -542,7 +544,7 @@ class PlainConn(asyncio.Protocol):
             plan = self._plan_body(head)
             if isinstance(plan, Refusal):
                 refusal, plan = plan, None
-        self.fp._latency("request").observe(time.perf_counter() - t0)
+        self.h.decide_latency.observe(time.perf_counter() - t0)
         if refusal is not None:
             self._deny(refusal, decision, method=head.method, path=path_s)
             return False
@@ -600,7 +602,14 @@ class PlainConn(asyncio.Protocol):
         return RequestLeakStream(needles, encoding, limits, lambda r: None)
 
     def _register(self) -> None:
+        """Revocable as what it is now connected to. A keep-alive connection's next request to the same
+        destination, with the same identity object, would register the same entry: skipped (an entry
+        leaves the registry only as its connection is revoked or ends, never while requests follow)."""
         st = self.st
+        key = (st.identity, st.host, st.port, st.ip_literal, st.upstream)
+        if key == self._registered_as:
+            return
+        self._registered_as = key
         self.gate.register_connection(OpenConnection(st.conn_id, st.identity.sandbox_id, st.host, st.port,
                                                      labels=st.identity.labels, ip_literal=st.ip_literal,
                                                      kind="http", issued=st.identity.issued,
