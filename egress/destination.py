@@ -99,7 +99,8 @@ async def decide_destination(st: ConnState, raw_host: str, port: int, *, policie
                              connected_to: tuple[str, int] | None = None) -> Verdict:
     """Sets st.host/st.port/st.ip_literal; the caller reads the verdict. `policies.current` is the
     policy in force (egress.policy.effective: admin policies + grants + the sandbox's network options);
-    `cache` (the fast path's) answers repeated connection-stage decisions of that same object.
+    `cache` (the fast path's) answers repeated decisions of that same object (connection-stage:
+    DecisionCache; the plain-HTTP path's requests: egress.fastpath.request_decisions).
     `connected_to`: the (host, port) of an upstream connection the caller already holds (its address
     guarded when it was made): an allowed request to it is not resolved again (no addresses returned).
     The verdict is that of the policy in force when it is returned (a change during the resolve is seen)."""

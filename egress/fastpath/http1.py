@@ -8,11 +8,13 @@ caller (egress.http_checks.check_framing) or turned into an event here.
 Requests become a queue of events the connection works through in order:
   ("head", RequestHead) ("body", bytes) ("end", None) ("trailers", None) ("error", why)
   ("upgrade", None)
-A response is read by ResponseReader, which calls its sink as it goes.
+The responses of one upstream connection are read by its ResponseReader, which calls its
+sink as it goes.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import httptools
@@ -38,8 +40,8 @@ class RequestHead:
             for n, (_, v) in zip(self.names, self.headers):
                 self.by_name.setdefault(n, []).append(v)
 
-    def get_all(self, name: bytes) -> list[bytes]:
-        """Every value of the (lowercase) `name`, in order."""
+    def get_all(self, name: bytes) -> Sequence[bytes]:
+        """Every value of the (lowercase) `name`, in order (read-only: the head's own list)."""
         return self.by_name.get(name, _NONE)
 
     @property
@@ -47,7 +49,7 @@ class RequestHead:
         return self.chunked or bool(self.content_length)
 
 
-_NONE: list[bytes] = []    # get_all's answer for a name not sent (never appended to)
+_NONE: tuple[bytes, ...] = ()    # get_all's answer for a name not sent
 
 
 def _framing(by_name: dict[bytes, list[bytes]]) -> tuple[bool, int | None]:
