@@ -5,6 +5,7 @@ Shared by the mitmproxy gate and the fast path. No upstream I/O but DNS.
 """
 from __future__ import annotations
 
+import functools
 import socket
 import time
 from dataclasses import dataclass
@@ -40,12 +41,12 @@ class DecisionCache:
         self._entries: dict[tuple, Decision] = {}
 
     def decide(self, policy, req: RequestInfo) -> Decision:
-        if req.scheme is not None or req.method is not None or req.path is not None:
-            return policy.decide(req)   # request-stage decisions are not cached
+        key = self._key(req)
+        if key is None:
+            return policy.decide(req)
         now = getattr(policy, "clock", time.time)()
         if policy is not self._policy or now >= self._until:
             self._reset(policy, now)
-        key = (req.sandbox_id, tuple(sorted(req.labels.items())), req.host, req.port, req.is_ip_literal)
         decision = self._entries.get(key)
         if decision is None:
             decision = policy.decide(req, now) if hasattr(policy, "clock") else policy.decide(req)
@@ -53,6 +54,12 @@ class DecisionCache:
                 self._entries.clear()
             self._entries[key] = decision
         return decision
+
+    def _key(self, req: RequestInfo) -> tuple | None:
+        """Everything of `req` the decision reads; None: not cached (request-stage decisions here)."""
+        if req.scheme is not None or req.method is not None or req.path is not None:
+            return None
+        return (req.sandbox_id, tuple(sorted(req.labels.items())), req.host, req.port, req.is_ip_literal)
 
     def _reset(self, policy, now: float) -> None:
         grants = getattr(getattr(policy, "grants", None), "grants", ())
@@ -62,27 +69,48 @@ class DecisionCache:
         self._entries = {}
 
 
+MAX_CACHED_HOST = 255     # longer is no valid name: parsed each time, never held
+
+
+def parse_destination_host(raw_host: str):
+    """(IP literal or None, canonical host or None, why it is invalid or None). Pure, so the
+    hosts of a keep-alive connection's requests are parsed once (bounded: short hosts only)."""
+    if len(raw_host) <= MAX_CACHED_HOST:
+        return _parse_host_cached(raw_host)
+    return _parse_host(raw_host)
+
+
+def _parse_host(raw_host: str):
+    literal = netguard.parse_ip_literal(raw_host)
+    if literal is not None:
+        return literal, str(literal), None
+    try:
+        return None, normalize_host(raw_host), None
+    except ValueError as e:
+        return None, None, str(e)
+
+
+_parse_host_cached = functools.lru_cache(maxsize=4096)(_parse_host)
+
+
 async def decide_destination(st: ConnState, raw_host: str, port: int, *, policies, guard: netguard.AddressGuard,
                              resolver: netguard.GuardedResolver, scheme, method, path,
                              cache: DecisionCache | None = None,
                              connected_to: tuple[str, int] | None = None) -> Verdict:
     """Sets st.host/st.port/st.ip_literal; the caller reads the verdict. `policies.current` is the
     policy in force (egress.policy.effective: admin policies + grants + the sandbox's network options);
-    `cache` (the fast path's) answers repeated connection-stage decisions of that same object.
+    `cache` (the fast path's) answers repeated decisions of that same object (connection-stage:
+    DecisionCache; the plain-HTTP path's requests: egress.fastpath.request_decisions).
     `connected_to`: the (host, port) of an upstream connection the caller already holds (its address
     guarded when it was made): an allowed request to it is not resolved again (no addresses returned).
     The verdict is that of the policy in force when it is returned (a change during the resolve is seen)."""
-    literal = netguard.parse_ip_literal(raw_host)
+    literal, host, invalid = parse_destination_host(raw_host)
     if literal is not None:
         reason = guard.check(literal, port)
         if reason is not None:
             return Verdict(None, Refusal(403, f"ssrf_{reason}", f"destination {literal} is {reason}"))
-        host = str(literal)
-    else:
-        try:
-            host = normalize_host(raw_host)
-        except ValueError as e:
-            return Verdict(None, Refusal(400, "invalid_host", str(e)))
+    elif invalid is not None:
+        return Verdict(None, Refusal(400, "invalid_host", invalid))
     st.ip_literal = literal is not None
     if host == AGENT_HOST:
         return Verdict(None, Refusal(403, "agent_endpoint_plain_http_only",

@@ -8,12 +8,14 @@ caller (egress.http_checks.check_framing) or turned into an event here.
 Requests become a queue of events the connection works through in order:
   ("head", RequestHead) ("body", bytes) ("end", None) ("trailers", None) ("error", why)
   ("upgrade", None)
-A response is read by ResponseReader, which calls its sink as it goes.
+The responses of one upstream connection are read by its ResponseReader, which calls its
+sink as it goes.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import httptools
 
@@ -28,24 +30,34 @@ class RequestHead:
     chunked: bool
     content_length: int | None
     replay: bytearray | None = None    # raw bytes from this request's first on (None: not known whole)
+    names: list[bytes] = field(default_factory=list)    # headers' names lowercased, in their order
+    by_name: dict[bytes, list[bytes]] = field(default_factory=dict)   # lowercased name → its values in order
 
-    def get_all(self, name: bytes) -> list[bytes]:
-        return [v for k, v in self.headers if k.lower() == name]
+    def __post_init__(self) -> None:
+        if not self.names and self.headers:
+            self.names = [k.lower() for k, _ in self.headers]
+        if not self.by_name:
+            for n, (_, v) in zip(self.names, self.headers):
+                self.by_name.setdefault(n, []).append(v)
+
+    def get_all(self, name: bytes) -> Sequence[bytes]:
+        """Every value of the (lowercase) `name`, in order (read-only: the head's own list)."""
+        return self.by_name.get(name, _NONE)
 
     @property
     def has_body(self) -> bool:
         return self.chunked or bool(self.content_length)
 
 
-def _framing(headers: list[tuple[bytes, bytes]]) -> tuple[bool, int | None]:
-    chunked, length = False, None
-    for k, v in headers:
-        n = k.lower()
-        if n == b"transfer-encoding":
-            chunked = True
-        elif n == b"content-length" and v.strip().isdigit():
+_NONE: tuple[bytes, ...] = ()    # get_all's answer for a name not sent
+
+
+def _framing(by_name: dict[bytes, list[bytes]]) -> tuple[bool, int | None]:
+    length = None
+    for v in by_name.get(b"content-length", _NONE):
+        if v.strip().isdigit():
             length = int(v.strip())
-    return chunked, length
+    return b"transfer-encoding" in by_name, length
 
 
 class RequestReader:
@@ -62,6 +74,8 @@ class RequestReader:
         self._parser = httptools.HttpRequestParser(self)
         self._url = bytearray()
         self._headers: list[tuple[bytes, bytes]] = []
+        self._names: list[bytes] = []
+        self._by_name: dict[bytes, list[bytes]] = {}
         self._in_head = False
         self._in_message = False
         self._head_bytes = 0
@@ -134,6 +148,8 @@ class RequestReader:
         self._framing.reset()
         self._url.clear()
         self._headers = []
+        self._names = []
+        self._by_name = {}
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -145,7 +161,15 @@ class RequestReader:
         if not self._in_head:
             self._push("trailers", None)      # refused: a trailer cannot be checked before it is sent
             self._refuse("trailers")
-        self._headers.append((bytes(name), bytes(value)))
+        name, value = bytes(name), bytes(value)
+        self._headers.append((name, value))
+        lower = name.lower()
+        self._names.append(lower)
+        values = self._by_name.get(lower)
+        if values is None:
+            self._by_name[lower] = [value]
+        else:
+            values.append(value)
         self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > self.max_head_bytes:
             self._refuse("head_too_large")
@@ -158,10 +182,11 @@ class RequestReader:
         self._in_head = False
         self._framing.reset()
         p = self._parser
-        chunked, length = _framing(self._headers)
+        chunked, length = _framing(self._by_name)
         head = RequestHead(method=p.get_method().decode("ascii", "replace"), target=bytes(self._url),
                            version=p.get_http_version(), headers=self._headers, keep_alive=p.should_keep_alive(),
-                           chunked=chunked, content_length=length, replay=self._cur_replay)
+                           chunked=chunked, content_length=length, replay=self._cur_replay,
+                           names=self._names, by_name=self._by_name)
         self._cur_replay = None
         if head.replay is not None:
             self._open.append(head)
@@ -219,32 +244,49 @@ LAST_CHUNK = b"0\r\n\r\n"
 
 # ------------------------------------------------------------------- responses
 class ResponseReader:
-    """One upstream response (and the 1xx before it), re-framed for the client.
+    """The responses of one upstream connection (and the 1xx before each), re-framed for the client.
 
-    The sink gets: head(status, reason, headers, body_framing) where body_framing is
-    "none" | "length" | "chunked" | "close"; body(bytes); trailers(list); end(keep_alive);
-    error(why). A response head over `max_head_bytes`, more than MAX_INFORMATIONAL 1xx
-    heads or more than `max_head_bytes` of them, or any framing error is an error."""
+    `begin(head_request=...)` before each response. The sink gets: head(status, reason, headers,
+    body_framing) where body_framing is "none" | "length" | "chunked" | "close"; body(bytes);
+    trailers(list); end(keep_alive); error(why). A response head over `max_head_bytes`, more than
+    MAX_INFORMATIONAL 1xx heads or more than `max_head_bytes` of them, or any framing error is an error.
+    Bytes after a response and before the next begin() are an error too.
+
+    llhttp's parser is kept from one response to the next only when llhttp itself ended the last
+    one (its keep-alive state, as for any message sequence); else (a HEAD or 204/304 response it
+    still reads a body for, a failure) the next response gets a new parser."""
 
     MAX_INFORMATIONAL = 32      # 1xx heads before one response (a flood is bounded, not timed out)
 
-    def __init__(self, sink, *, head_request: bool, max_head_bytes: int) -> None:
+    def __init__(self, sink, *, max_head_bytes: int) -> None:
         self.sink = sink
-        self.head_request = head_request
         self.max_head_bytes = max_head_bytes
-        self._parser = httptools.HttpResponseParser(self)
+        self._framing_bound = _FramingBound(max_head_bytes)
+        self._parser = None
+        self._reusable = False          # llhttp ended the last response: its state is a message boundary
+        self.done = True                # no response expected until begin()
+        self.failed = False
+
+    def begin(self, *, head_request: bool) -> "ResponseReader":
+        if self.failed:
+            raise RuntimeError("a failed upstream connection is not reused")
+        if not self._reusable:
+            self._parser = httptools.HttpResponseParser(self)
+        self._reusable = False
+        self.head_request = head_request
         self._headers: list[tuple[bytes, bytes]] = []
         self._trailers: list[tuple[bytes, bytes]] = []
         self._reason = b""
         self._in_head = True
-        self._head_bytes = 0
+        self._head_bytes = 0            # bytes fed while in a head (a head that never ends)
+        self._header_size = 0           # the current head's fields, as counted against max_head_bytes
         self._informational = 0
         self._informational_bytes = 0
-        self._why: str | None = None     # a callback's own refusal (llhttp reports "callback error")
+        self._why: str | None = None    # a callback's own refusal (llhttp reports "callback error")
         self.framing = None
         self.done = False
-        self.failed = False
-        self._framing_bound = _FramingBound(max_head_bytes)
+        self._framing_bound.reset()
+        return self
 
     def feed(self, data: bytes) -> None:
         if self.done or self.failed:
@@ -276,6 +318,7 @@ class ResponseReader:
             self._fail("upstream closed mid-response")
 
     def _fail(self, why: str) -> None:
+        self._reusable = False
         if not self.failed:          # after the response too: the sink drops a misbehaving upstream
             self.failed = True
             self.sink.error(why)
@@ -285,6 +328,7 @@ class ResponseReader:
             raise httptools.HttpParserError("bytes after the response")
         self._in_head = True
         self._headers = []
+        self._header_size = 0
         self._reason = b""
 
     def on_status(self, reason: bytes) -> None:
@@ -295,8 +339,10 @@ class ResponseReader:
             self._trailers.append((bytes(name), bytes(value)))
             return
         self._headers.append((bytes(name), bytes(value)))
-        if sum(len(k) + len(v) + 4 for k, v in self._headers) > self.max_head_bytes:
-            raise httptools.HttpParserError("upstream response head too large")
+        self._header_size += len(name) + len(value) + 4
+        if self._header_size > self.max_head_bytes:
+            self._why = "upstream response head too large"     # (llhttp would say "callback error")
+            raise httptools.HttpParserError(self._why)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -306,7 +352,7 @@ class ResponseReader:
             if status == 101:
                 raise httptools.HttpParserError("101 without an upgrade request")
             self._informational += 1
-            self._informational_bytes += 16 + len(self._reason) + sum(len(k) + len(v) + 4 for k, v in self._headers)
+            self._informational_bytes += 16 + len(self._reason) + self._header_size
             if self._informational > self.MAX_INFORMATIONAL or self._informational_bytes > self.max_head_bytes:
                 self._why = f"more than {self.MAX_INFORMATIONAL} informational (1xx) responses or their bytes"
                 raise httptools.HttpParserError(self._why)
@@ -314,12 +360,18 @@ class ResponseReader:
             self._in_head = True       # the final response follows
             self._head_bytes = 0
             return
-        te = [v.strip().lower() for k, v in self._headers if k.lower() == b"transfer-encoding"]
-        has_cl = any(k.lower() == b"content-length" for k, _ in self._headers)
+        te = None
+        has_cl = False
+        for k, v in self._headers:
+            n = k.lower()
+            if n == b"transfer-encoding":
+                te = v.strip().lower() if te is None else te + b"," + v.strip().lower()
+            elif n == b"content-length":
+                has_cl = True
         if self.head_request or status in (204, 304):
             self.framing = "none"
-        elif te:
-            self.framing = "chunked" if b",".join(te).split(b",")[-1].strip() == b"chunked" else "close"
+        elif te is not None:
+            self.framing = "chunked" if te.split(b",")[-1].strip() == b"chunked" else "close"
         elif has_cl:
             self.framing = "length"
         else:
@@ -336,9 +388,13 @@ class ResponseReader:
         self.sink.body(bytes(body))
 
     def on_message_complete(self) -> None:
-        if self.done or self._in_head:   # 1xx: not the response yet
+        if self._in_head:              # 1xx: not the response yet
+            return
+        if self.done:                  # "none": llhttp agrees there is no body (204/304, HEAD without one)
+            self._reusable = not self.failed
             return
         self.done = True
+        self._reusable = True
         if self._trailers:
             self.sink.trailers(self._trailers)
         self.sink.end(self._parser.should_keep_alive())

@@ -27,15 +27,18 @@ import asyncio
 import functools
 import hashlib
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from egress import netguard, records
 from egress.bodies import (BodyRefused, RequestLeakStream, check_request_body, make_decoder)
-from egress.destination import AGENT_HOST, connected_refusal, decide_destination, keep_undenied, needs_interception
+from egress.destination import (AGENT_HOST, MAX_CACHED_HOST, connected_refusal, decide_destination, keep_undenied,
+                                needs_interception, parse_destination_host)
 from egress.fastpath import http1
 from egress.fastpath.dial import dial
+from egress.fastpath.request_decisions import RequestDecisionCache
 from egress.http_checks import (PROXY_ONLY_HEADERS, Refusal, check_framing, check_header_limits,
                                 check_request_authority, split_host_port, transparent_host)
 from egress.policy import normalize_host
@@ -49,6 +52,7 @@ WRITE_HIGH = 256 * 1024            # a peer's unsent bytes before the other side
 REFUSED_LINGER = 2.0               # after a refusal: how long the sandbox's unread body is drained
 INLINE_CHECK_BYTES = 64 * 1024     # held bodies larger than this are checked off the event loop
 _DROP = frozenset(h.encode() for h in PROXY_ONLY_HEADERS) | {b"expect"}
+_DROP_HOST = _DROP | {b"host"}
 
 # llhttp's messages → the gate's refusal reasons (egress.http_checks names the same shapes)
 _PARSE_REASONS = (
@@ -74,11 +78,17 @@ def takes_explicit(head: bytes) -> bool:
     return 0 < sp < 32 and head[sp + 1:sp + 8].lower() == b"http://"
 
 
-@functools.lru_cache(maxsize=4096)
 def canonical_host(h: str) -> str:
-    """The gate's _canonical_host (pure: cached; ValueError is not cached and raised again)."""
+    """The gate's _canonical_host (pure: cached for short hosts; ValueError is not cached and raised again)."""
+    return _canonical_host_cached(h) if len(h) <= MAX_CACHED_HOST else _canonical_host(h)
+
+
+def _canonical_host(h: str) -> str:
     lit = netguard.parse_ip_literal(h)
     return str(lit) if lit is not None else normalize_host(h)
+
+
+_canonical_host_cached = functools.lru_cache(maxsize=4096)(_canonical_host)
 
 
 @dataclass
@@ -89,16 +99,16 @@ class Target:
     authority: str      # for the Host header when the sandbox sent none
 
 
+_AUTHORITY_END = re.compile(rb"[/?#]")
+
+
 def _split_absolute(target: bytes) -> tuple[str, bytes]:
     """'http://a.b:8/x?y' → ('a.b:8', b'/x?y'); ValueError on anything else."""
     if target[:7].lower() != b"http://":
         raise ValueError("not an http:// absolute-form target")
     rest = target[7:]
-    cut = len(rest)
-    for sep in (b"/", b"?", b"#"):
-        i = rest.find(sep)
-        if 0 <= i < cut:
-            cut = i
+    m = _AUTHORITY_END.search(rest)
+    cut = m.start() if m is not None else len(rest)
     authority, path = rest[:cut], rest[cut:]
     if not authority:
         raise ValueError("empty authority")
@@ -118,10 +128,13 @@ def host_values(head: http1.RequestHead) -> list[str]:
     out = []
     for v in head.get_all(b"host"):
         v = v.strip(b" \t")
-        if any(not 0x21 <= b <= 0x7e for b in v):
+        if _VISIBLE_ASCII.fullmatch(v) is None:
             raise ValueError("Host header with a byte that is not visible ASCII")
         out.append(v.decode("ascii"))
     return out
+
+
+_VISIBLE_ASCII = re.compile(rb"[\x21-\x7e]*")
 
 
 def explicit_target(head: http1.RequestHead) -> Target | Refusal:
@@ -177,22 +190,16 @@ def connection_tokens_refusal(head: http1.RequestHead) -> Refusal | None:
     return None
 
 
-@functools.lru_cache(maxsize=4096)       # pure; every request asks it
 def _is_agent(host: str) -> bool:
-    try:
-        return normalize_host(host) == AGENT_HOST
-    except ValueError:
-        return False
+    return parse_destination_host(host)[1] == AGENT_HOST
 
 
 def needs_mitmproxy(head: http1.RequestHead, *, transparent: bool) -> bool:
     if head.version != "1.1" or head.method in ("CONNECT", "PRI"):
         return True
-    for k, v in head.headers:
-        n = k.lower()
-        if n == b"upgrade" or (n == b"connection" and b"upgrade" in v.lower()) \
-                or (n == b"expect" and v.strip().lower() != b"100-continue"):
-            return True
+    if b"upgrade" in head.by_name or any(b"upgrade" in v.lower() for v in head.get_all(b"connection")) \
+            or any(v.strip().lower() != b"100-continue" for v in head.get_all(b"expect")):
+        return True
     t = head.target
     if transparent:
         return not (t.startswith(b"/") or t[:7].lower() == b"http://")
@@ -227,6 +234,8 @@ class PlainHttp:
         # The vault's checks without a mitmproxy flow (egress/credentials.py); another hook: mitmproxy decides
         self.leak_checks = hasattr(creds, "check_unbound_request") and hasattr(creds, "unbound_needles")
         self.supported = self.leak_checks or isinstance(creds, NoCredentials)
+        self.decisions = RequestDecisionCache()
+        self.decide_latency = fp._latency("request")     # the one child every request observes
 
     async def serve(self, c) -> None:
         """Take over a fast-path connection (_Conn) whose first bytes are in c.buf."""
@@ -246,12 +255,13 @@ class PlainHttp:
 
 
 class _Upstream(asyncio.Protocol):
-    """The upstream side of one client connection: bytes into the current ResponseReader."""
+    """The upstream side of one client connection: bytes into its ResponseReader while a response is due."""
 
     def __init__(self, conn: "PlainConn") -> None:
         self.conn = conn
         self.transport = None
-        self.reader: http1.ResponseReader | None = None
+        self.responses = http1.ResponseReader(conn, max_head_bytes=conn.gate.max_header_bytes)
+        self.reader: http1.ResponseReader | None = None    # self.responses, or None: bytes are not relayed
         self.closed = False
         self.writable = asyncio.Event()
         self.writable.set()
@@ -338,6 +348,7 @@ class PlainConn(asyncio.Protocol):
         self.out: list[bytes] | None = None    # response bytes collected during one upstream read
         self.idle_timer = None
         self.last_activity = 0.0
+        self._registered_as: tuple | None = None    # what _register last registered
 
     # ------------------------------------------------------------ protocol
     def data_received(self, data: bytes) -> None:
@@ -515,7 +526,7 @@ class PlainConn(asyncio.Protocol):
             up = self.up
             verdict = await decide_destination(st, target.raw_host, target.port, policies=gate.policies,
                                                guard=gate.guard, resolver=gate.resolver, scheme="http",
-                                               method=head.method, path=path_s,
+                                               method=head.method, path=path_s, cache=self.h.decisions,
                                                connected_to=self._reusable(up))
             if self.lost:
                 return False
@@ -533,7 +544,7 @@ class PlainConn(asyncio.Protocol):
             plan = self._plan_body(head)
             if isinstance(plan, Refusal):
                 refusal, plan = plan, None
-        self.fp._latency("request").observe(time.perf_counter() - t0)
+        self.h.decide_latency.observe(time.perf_counter() - t0)
         if refusal is not None:
             self._deny(refusal, decision, method=head.method, path=path_s)
             return False
@@ -591,7 +602,14 @@ class PlainConn(asyncio.Protocol):
         return RequestLeakStream(needles, encoding, limits, lambda r: None)
 
     def _register(self) -> None:
+        """Revocable as what it is now connected to. A keep-alive connection's next request to the same
+        destination, with the same identity object, would register the same entry: skipped (an entry
+        leaves the registry only as its connection is revoked or ends, never while requests follow)."""
         st = self.st
+        key = (st.identity, st.host, st.port, st.ip_literal, st.upstream)
+        if key == self._registered_as:
+            return
+        self._registered_as = key
         self.gate.register_connection(OpenConnection(st.conn_id, st.identity.sandbox_id, st.host, st.port,
                                                      labels=st.identity.labels, ip_literal=st.ip_literal,
                                                      kind="http", issued=st.identity.issued,
@@ -612,20 +630,19 @@ class PlainConn(asyncio.Protocol):
             return False
         up = self.up
         # llhttp keeps a value's trailing OWS, which is not part of it (RFC 9110 5.5): sent without
-        headers = [(k, v.rstrip(b" \t")) for k, v in head.headers if k.lower() not in _DROP]
-        if not self.st.transparent or not head.get_all(b"host"):
+        if not self.st.transparent or b"host" not in head.by_name:
             # Absolute form: the target's authority is the Host (RFC 9112 3.2.2: a proxy replaces the
             # sandbox's, which was only checked to name the same host, e.g. an empty one passed)
-            headers = [(k, v) for k, v in headers if k.lower() != b"host"]
-            headers.insert(0, (b"Host", target.authority.encode("ascii")))
+            headers = [(b"Host", target.authority.encode("ascii"))]
+            headers += [(k, v.rstrip(b" \t")) for n, (k, v) in zip(head.names, head.headers) if n not in _DROP_HOST]
+        else:
+            headers = [(k, v.rstrip(b" \t")) for n, (k, v) in zip(head.names, head.headers) if n not in _DROP]
         if head.has_body and held is None and head.get_all(b"expect"):
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")   # as mitmproxy does: we answer it
         self.response = asyncio.get_running_loop().create_future()
         self.resp_started = False
         self.resp_trailers = b""
-        self.resp_head_request = head.method == "HEAD"
-        up.reader = http1.ResponseReader(self, head_request=head.method == "HEAD",
-                                         max_head_bytes=self.gate.max_header_bytes)
+        up.reader = up.responses.begin(head_request=head.method == "HEAD")
         self._arm_upstream_timer(head, path_s)
         up.transport.write(http1.serialize_request_head(head.method, target.path, headers))
         if held is not None:

@@ -527,7 +527,7 @@ def test_the_http1_readers_bound_what_follows_a_head(shape):
         def error(self, why): self.errors.append(why)
 
     sink = Sink()
-    resp = ResponseReader(sink, head_request=False, max_head_bytes=limit)
+    resp = ResponseReader(sink, max_head_bytes=limit).begin(head_request=False)
     resp.feed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
     for d in reads:
         resp.feed(d)
