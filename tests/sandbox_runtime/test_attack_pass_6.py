@@ -78,3 +78,57 @@ def test_hard_links_are_replaced_once_and_tokens_across_chunks_are_found():
     """, size_mb=16)
     assert r.returncode == 0, (r.returncode, r.stderr[-500:])
     assert r.stdout.split() == ["1", "True", "True", "True"], r.stdout
+
+
+# ------------------------------------------------------------------ real sandboxes on a template
+
+CACHE = Path(os.environ.get("CUBEGATE_TEMPLATE_CACHE", "/var/cache/cubegate/templates"))
+
+
+@pytest.fixture(scope="module")
+def tbackend(tmp_path_factory, agent_binary):
+    import shutil
+    from sandbox_runtime.namespace import NamespaceBackend
+    from sandbox_runtime.templates import TemplateStore
+    if os.geteuid() != 0 or not shutil.which("mmdebstrap"):
+        pytest.skip("needs root and mmdebstrap (apt)")
+    store = TemplateStore(CACHE)
+    store.build("base")                          # cached on this machine: returns at once
+    b = NamespaceBackend(tmp_path_factory.mktemp("a6") / "state", templates=store)
+    ok, why = b.available()
+    if not ok:
+        pytest.skip(why)
+    yield b
+    b.close()
+
+
+def _spec(**kw):
+    import uuid
+    from sandbox_runtime.backend import Limits, SandboxSpec
+    return SandboxSpec(sandbox_id=f"a6{kw.pop('tag', 's')}-{uuid.uuid4().hex[:8]}", tenant="t", template="base",
+                       limits=Limits(disk_mb=32), **kw)
+
+
+def test_a_clone_of_a_layer_holding_a_huge_sparse_file_starts_and_gets_its_own_placeholder(
+        tbackend, bare_netns, tmp_path):
+    """The whole path: code in the sandbox makes a 64 GiB sparse file in its 32 MiB layer, the
+    host snapshots it (cp -a keeps the holes) and starts a clone with its own placeholders."""
+    from sandbox_runtime.snapshots import tree_size
+    parent = tbackend.create(_spec(tag="p", env={"K": OLD.decode()}), bare_netns, ip="10.0.0.2", gateway_ip="10.0.0.1")
+    clone = None
+    try:
+        r = tbackend.exec(parent, ["sh", "-c", 'truncate -s 64G big && printf "%s" "$K" >> big && echo "$K" > k'])
+        assert r.exit_code == 0, r.stderr
+        layer = tmp_path / "layer"
+        info = tbackend.snapshot_layer(parent, layer)
+        assert tree_size(layer) > (64 << 30) and os.stat(layer / "workspace/big").st_blocks * 512 < (1 << 20)
+        clone = tbackend.create(_spec(tag="c", env={"K": NEW.decode()}, seed_layer=str(layer),
+                                      seed_uid=info["layer_uid"], seed_tokens={OLD.decode(): NEW.decode()}),
+                                bare_netns, ip="10.0.0.3", gateway_ip="10.0.0.1")
+        r = tbackend.exec(clone, ["sh", "-c", 'cat k; tail -c 26 big; echo; du -k big | cut -f1'])
+        lines = r.stdout.decode().split()
+        assert r.exit_code == 0 and lines[:2] == [NEW.decode(), NEW.decode()] and int(lines[2]) < 1024, r
+    finally:
+        for h in (clone, parent):
+            if h is not None:
+                tbackend.destroy(h)
