@@ -133,3 +133,138 @@ def test_a_clone_of_a_layer_holding_a_huge_sparse_file_starts_and_gets_its_own_p
         for h in (clone, parent):
             if h is not None:
                 tbackend.destroy(h)
+
+
+# ------------------------------------------------------------------ snapshot vs. pause, destroy, rollback
+
+class _Switch:
+    def counters(self):
+        return {}
+
+    def detach_sandbox(self, sid):
+        pass
+
+    def sandbox(self, sid):
+        return None
+
+
+class _FreezingBackend:
+    """Freezes like the namespace backend: a snapshot freezes the sandbox for the copy and thaws
+    it after unless it was frozen before; the copy waits for `release`."""
+    name = "rec"
+
+    def __init__(self):
+        import threading
+        self.frozen: set[str] = set()
+        self.calls: list[tuple[str, str]] = []
+        self.copying, self.release = threading.Event(), threading.Event()
+
+    def available(self):
+        return True, ""
+
+    def pause(self, h):
+        self.frozen.add(h.sandbox_id)
+
+    def resume(self, h):
+        self.frozen.discard(h.sandbox_id)
+
+    def snapshot_layer(self, h, dest):
+        was = h.sandbox_id in self.frozen
+        self.frozen.add(h.sandbox_id)
+        self.copying.set()
+        assert self.release.wait(10)
+        dest.mkdir()
+        if not was:
+            self.frozen.discard(h.sandbox_id)
+        return {"template": None, "template_key": None, "layer_uid": None}
+
+    def rollback(self, h, **kw):
+        self.calls.append(("rollback", h.sandbox_id))
+        return h
+
+    def destroy(self, h):
+        self.calls.append(("destroy", h.sandbox_id))
+
+
+@pytest.fixture
+def copying(tmp_path):
+    """A manager whose sandbox "x" is in the middle of a snapshot copy; yields (manager, backend)."""
+    import threading
+    from sandbox_runtime.backend import Handle
+    from sandbox_runtime.capacity import default_budget
+    from sandbox_runtime.manager import SandboxManager
+    from sandbox_runtime.snapshots import SnapshotStore
+    from sandbox_runtime.state import SandboxRecord, StateStore
+    backend = _FreezingBackend()
+    m = SandboxManager(switch=_Switch(), backends={"rec": backend}, state=StateStore(tmp_path / "s.db"),
+                       budget=default_budget(4096, 2.0, 8, 0), snapshots=SnapshotStore(tmp_path / "snaps"))
+    m.state.put(SandboxRecord("x", "t", "rec", state="running", handle=Handle("x", "rec", "ns")))
+    backend.release.set()
+    m.snapshot("x", "x-old")                  # one to roll back to
+    backend.release.clear()
+    backend.copying.clear()
+    done: list = []
+    t = threading.Thread(target=lambda: done.append(m.snapshot("x", "x-snap")))
+    t.start()
+    assert backend.copying.wait(10)
+    try:
+        yield m, backend
+    finally:
+        backend.release.set()
+        t.join(10)
+    assert not t.is_alive() and done and done[0]["id"] == "x-snap"
+
+
+def test_a_pause_during_a_snapshot_is_refused_not_undone_by_the_copy(copying):
+    # Before: the pause froze an already frozen sandbox and said "paused"; the copy then thawed
+    # it: a sandbox running while its record (and the capacity count) said paused.
+    from sandbox_runtime.manager import Conflict
+    m, backend = copying
+    with pytest.raises(Conflict, match="being snapshotted"):
+        m.pause("x")
+    backend.release.set()
+    assert m.get_record("x").state == "running"
+
+
+def test_a_destroy_rollback_or_second_snapshot_during_a_snapshot_is_refused(copying):
+    # Before: the backend tore the sandbox down (or replaced its layer) under the running copy,
+    # and a second copy's thaw ended the first one's freeze.
+    from sandbox_runtime.manager import Conflict
+    m, backend = copying
+    for call in (lambda: m.destroy("x"), lambda: m.rollback("x", "x-old"), lambda: m.snapshot("x", "x-second")):
+        with pytest.raises(Conflict, match="being snapshotted"):
+            call()
+    assert backend.calls == [] and m.get_record("x").state == "running"
+    backend.release.set()
+
+
+def test_a_rollback_during_a_destroy_is_refused(tmp_path):
+    import threading
+    from sandbox_runtime.backend import Handle
+    from sandbox_runtime.capacity import default_budget
+    from sandbox_runtime.manager import Conflict, SandboxManager
+    from sandbox_runtime.snapshots import SnapshotStore
+    from sandbox_runtime.state import SandboxRecord, StateStore
+    backend = _FreezingBackend()
+    backend.release.set()
+    m = SandboxManager(switch=_Switch(), backends={"rec": backend}, state=StateStore(tmp_path / "s.db"),
+                       budget=default_budget(4096, 2.0, 8, 0), snapshots=SnapshotStore(tmp_path / "snaps"))
+    m.state.put(SandboxRecord("x", "t", "rec", state="running", handle=Handle("x", "rec", "ns")))
+    m.snapshot("x", "x-old")
+    tearing, go = threading.Event(), threading.Event()
+
+    def slow_destroy(h):
+        backend.calls.append(("destroy", h.sandbox_id))
+        tearing.set()
+        assert go.wait(10)
+    backend.destroy = slow_destroy
+    t = threading.Thread(target=m.destroy, args=("x",))
+    t.start()
+    try:
+        assert tearing.wait(10)
+        with pytest.raises(Conflict, match="being removed"):
+            m.rollback("x", "x-old")          # before: a rollback started a new sandbox being torn down
+    finally:
+        go.set()
+        t.join(10)
+    assert backend.calls == [("destroy", "x")] and m.state.get("x") is None
