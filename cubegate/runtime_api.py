@@ -369,8 +369,16 @@ def serve(manager: SandboxManager, *, host: str, port: int, token_file: Path, va
           workers: int = 64, default_template: str | None = None) -> RuntimeServer:
     ensure_token_file(token_file, RUNTIME_TOKEN_PREFIX)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="runtime")
-    app = make_app(manager, TokenCheck(token_file, vault_tokens), pool, audit_hook=audit_hook,
+    tokens = TokenCheck(token_file, vault_tokens)
+    app = make_app(manager, tokens, pool, audit_hook=audit_hook,
                    default_backend=default_backend, default_limits=default_limits,
                    default_template=default_template)
     # loopback only: sandboxes must never reach it
-    return RuntimeServer(httpkit.serve(app, max_body=MAX_BODY, host=host, port=port, what="the sandbox API"), pool)
+    return RuntimeServer(httpkit.serve(app, max_body=MAX_BODY, host=host, port=port, what="the sandbox API",
+                                       admit=lambda headers: bearer_ok(tokens, headers)), pool)
+
+
+def bearer_ok(tokens: TokenCheck, headers) -> bool:
+    """The headers hold a valid bearer token: the request may send a large body (httpkit admit)."""
+    scheme, _, token = headers.get("Authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and bool(token.strip()) and tokens.actor(token.strip()) is not None

@@ -6,6 +6,14 @@ body; a chunked body that grows past the limit is cut off (400, connection close
 Tornado reads a whole body before any handler (and its token check) runs, so the
 bodies one server holds at a time are bounded too (`max_buffered`, default twice
 `max_body`): a request whose body would not fit is answered 503 before it is read.
+
+That budget is reserved from the declared length, before a byte arrives: without
+`admit`, anyone on loopback could hold all of it with two idle connections (for the
+body timeout) and every other caller's body would be 503. `admit(headers)` says
+whether the headers carry valid credentials; a request they do not admit may send
+only a small body (ANON_MAX_BODY, from a small budget of its own, ANON_BUDGET: it
+still reaches its handler, which answers 401 and audits it), anything larger is
+answered 401 before it is read.
 """
 from __future__ import annotations
 
@@ -23,6 +31,8 @@ import tornado.web
 
 log = logging.getLogger("httpkit")
 IDLE_SECONDS = 300   # a connection that sends no request (or no body) this long is closed
+ANON_MAX_BODY = 64 << 10    # a body whose headers carry no valid credentials (see admit)
+ANON_BUDGET = 1 << 20       # all such bodies being read at once
 
 
 def check_bind_address(host: str, allow_non_loopback: bool = False, what: str = "this API") -> None:
@@ -65,17 +75,19 @@ class Server:
 def serve(app: tornado.web.Application, *, max_body: int, host: str = "127.0.0.1", port: int = 0,
           unix_socket: str | None = None, loopback_only: bool = True, what: str = "this API",
           ssl_options=None, body_limit: Callable[[str], int] | None = None,
-          max_buffered: int | None = None) -> Server:
+          max_buffered: int | None = None, admit: Callable[[tornado.httputil.HTTPHeaders], bool] | None = None
+          ) -> Server:
     """Start listening on the running asyncio loop. port=0 picks a free port; ssl_options (an
     ssl.SSLContext): HTTPS. body_limit(path): a route's own limit (at most max_body);
-    max_buffered: all bodies being read at once (default 2 * max_body)."""
+    max_buffered: all bodies being read at once (default 2 * max_body); admit(headers): whether
+    they carry valid credentials (None: every request may use the whole budget)."""
     if unix_socket:
         sockets = [tornado.netutil.bind_unix_socket(unix_socket, mode=0o600)]
     else:
         check_bind_address(host, not loopback_only, what)
         sockets = tornado.netutil.bind_sockets(port, address=host)
     budget = _Budget(2 * max_body if max_buffered is None else max_buffered)
-    server = tornado.httpserver.HTTPServer(_BodyLimit(app, max_body, body_limit, budget), max_body_size=max_body,
+    server = tornado.httpserver.HTTPServer(_BodyLimit(app, max_body, body_limit, budget, admit), max_body_size=max_body,
                                           xheaders=False,
                                           idle_connection_timeout=IDLE_SECONDS, body_timeout=IDLE_SECONDS,
                                           ssl_options=ssl_options)
@@ -100,8 +112,9 @@ class _Budget:
 
 
 class _BodyLimit(tornado.httputil.HTTPServerConnectionDelegate):
-    def __init__(self, app: tornado.web.Application, limit: int, body_limit, budget: _Budget):
+    def __init__(self, app: tornado.web.Application, limit: int, body_limit, budget: _Budget, admit=None):
         self.app, self.limit, self.body_limit, self.budget = app, limit, body_limit, budget
+        self.admit, self.anon_budget = admit, _Budget(ANON_BUDGET)
 
     def start_request(self, server_conn, request_conn):
         return _LimitedRequest(self.app.start_request(server_conn, request_conn), request_conn, self)
@@ -114,6 +127,7 @@ class _LimitedRequest(tornado.httputil.HTTPMessageDelegate):
     def __init__(self, inner: tornado.httputil.HTTPMessageDelegate, conn, owner: _BodyLimit):
         self.inner, self.conn, self.owner = inner, conn, owner
         self.limit, self.held, self.seen = owner.limit, 0, 0
+        self.held_from = owner.budget
 
     async def _refuse(self, start_line, status: str, error: str, message: str) -> None:
         """Answer before reading a byte of the body, then drop the connection (detached:
@@ -137,11 +151,17 @@ class _LimitedRequest(tornado.httputil.HTTPMessageDelegate):
         if length is not None and length.isdigit() and int(length) > self.limit:
             return await self._refuse(start_line, "413 Payload Too Large", "too_large",
                                       f"request body is {int(length)} bytes; the limit is {self.limit}")
+        chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
+        if (chunked or length is not None and length.isdigit() and int(length) > 0) and \
+                self.owner.admit is not None and not self.owner.admit(headers):
+            if chunked or int(length) > ANON_MAX_BODY:
+                return await self._refuse(start_line, "401 Unauthorized", "unauthorized",
+                                          f"a body over {ANON_MAX_BODY} bytes needs valid credentials in the headers")
+            self.limit, self.held_from = min(self.limit, ANON_MAX_BODY), self.owner.anon_budget
         # what this body may hold: its declared length, else (chunked) the whole limit
-        want = int(length) if length is not None and length.isdigit() else (
-            self.limit if "chunked" in headers.get("Transfer-Encoding", "").lower() else 0)
+        want = int(length) if length is not None and length.isdigit() else (self.limit if chunked else 0)
         if want:
-            if not self.owner.budget.take(want):
+            if not self.held_from.take(want):
                 return await self._refuse(start_line, "503 Service Unavailable", "busy",
                                           "too many request bodies are being received; try again")
             self.held = want
@@ -156,7 +176,7 @@ class _LimitedRequest(tornado.httputil.HTTPMessageDelegate):
 
     def _release(self) -> None:
         if self.held:
-            self.owner.budget.give(self.held)
+            self.held_from.give(self.held)
             self.held = 0
 
     def finish(self) -> None:

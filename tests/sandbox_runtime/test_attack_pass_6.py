@@ -268,3 +268,42 @@ def test_a_rollback_during_a_destroy_is_refused(tmp_path):
         go.set()
         t.join(10)
     assert backend.calls == [("destroy", "x")] and m.state.get("x") is None
+
+
+# ------------------------------------------------------------------ the runtime API's body budget
+
+def test_idle_unauthenticated_bodies_cannot_take_the_runtime_apis_body_budget(tmp_path):
+    """Two connections declaring 48 MiB bodies (the API's limit; the budget is twice that) and
+    sending nothing held the whole budget for the body timeout: every operator's create, exec
+    and upload was 503 meanwhile. Now a body needs a valid bearer token in the headers to be
+    more than 64 KiB; without one it is a 401 before it is read."""
+    import socket
+    import time
+    import httpx
+    from cubegate import runtime_api
+    from sandbox_runtime.capacity import default_budget
+    from sandbox_runtime.manager import SandboxManager
+    from sandbox_runtime.state import StateStore
+    from tests.httpkit.conftest import served
+    state = StateStore(tmp_path / "s.db")
+    manager = SandboxManager(switch=None, backends={}, state=state, budget=default_budget(1024, 1.0, 4, 0))
+    token_file = tmp_path / "api.token"
+    with served(lambda: runtime_api.serve(manager, host="127.0.0.1", port=0, token_file=token_file, workers=2)) as srv:
+        token = token_file.read_text().strip()
+        head = (f"PUT /v1/sandboxes/x/files?path=a HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                f"Content-Length: {runtime_api.MAX_BODY}\r\n\r\n").encode()
+        socks = [socket.create_connection(("127.0.0.1", srv.port), timeout=5) for _ in range(2)]
+        try:
+            for s in socks:
+                s.sendall(head)
+            time.sleep(0.3)
+            r = httpx.post(f"http://127.0.0.1:{srv.port}/v1/sandboxes", content=b"{not json",
+                           headers={"Authorization": f"Bearer {token}"}, timeout=10)
+            assert r.status_code == 400, (r.status_code, r.text)     # before: 503 "busy"
+            for s in socks:
+                s.settimeout(5)
+                assert s.recv(4096).startswith(b"HTTP/1.1 401")
+        finally:
+            for s in socks:
+                s.close()
+    state.close()
