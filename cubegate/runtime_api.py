@@ -375,10 +375,4 @@ def serve(manager: SandboxManager, *, host: str, port: int, token_file: Path, va
                    default_template=default_template)
     # loopback only: sandboxes must never reach it
     return RuntimeServer(httpkit.serve(app, max_body=MAX_BODY, host=host, port=port, what="the sandbox API",
-                                       admit=lambda headers: bearer_ok(tokens, headers)), pool)
-
-
-def bearer_ok(tokens: TokenCheck, headers) -> bool:
-    """The headers hold a valid bearer token: the request may send a large body (httpkit admit)."""
-    scheme, _, token = headers.get("Authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and bool(token.strip()) and tokens.actor(token.strip()) is not None
+                                       admit=httpkit.bearer_admit(tokens.actor)), pool)

@@ -48,6 +48,16 @@ def check_bind_address(host: str, allow_non_loopback: bool = False, what: str = 
                          "(pass allow_non_loopback=True to override)")
 
 
+def bearer_admit(verify: Callable[[str], object]) -> Callable[[tornado.httputil.HTTPHeaders], bool]:
+    """`admit` for an API whose handlers take a bearer token (JsonHandler): verify(token) is
+    not None (the same check the handler makes after the body)."""
+    def admit(headers: tornado.httputil.HTTPHeaders) -> bool:
+        scheme, _, token = headers.get("Authorization", "").partition(" ")
+        token = token.strip()
+        return scheme.lower() == "bearer" and bool(token) and verify(token) is not None
+    return admit
+
+
 class Server:
     """A listening API: its port, and stop() (closes the listeners, removes the unix socket)."""
 
