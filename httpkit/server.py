@@ -58,6 +58,18 @@ def bearer_admit(verify: Callable[[str], object]) -> Callable[[tornado.httputil.
     return admit
 
 
+def session_admit(sessions, cookie: str) -> Callable[[tornado.httputil.HTTPHeaders], bool]:
+    """`admit` for a browser app (SessionHandler): the session cookie (`cookie`, or its
+    `__Host-` form over TLS) names a live session of `sessions` (looked at, not touched)."""
+    def admit(headers: tornado.httputil.HTTPHeaders) -> bool:
+        try:
+            jar = tornado.httputil.parse_cookie(headers.get("Cookie", ""))
+        except Exception:  # noqa: BLE001 - a malformed cookie header admits nothing
+            return False
+        return any(sessions.get(jar.get(name), touch=False) is not None for name in (cookie, "__Host-" + cookie))
+    return admit
+
+
 class Server:
     """A listening API: its port, and stop() (closes the listeners, removes the unix socket)."""
 
