@@ -3,7 +3,7 @@
     <mdir> = <roots_dir>/<sandbox id>  (default /run/cubegate/roots: 0711, so bwrap, already
                   running as the sandbox's uid, reaches it whatever the state dir's mode)
     <mdir>/rw     tmpfs, size = the sandbox's disk limit (its pages are charged to the
-                  memory cgroup of whoever writes them: the sandbox)
+                  memory cgroup of whoever writes them: the sandbox), inodes bounded by it
     <mdir>/rw/upper, /rw/work       overlayfs upper and work directories
     <mdir>/root   overlay: lowerdir=<template rootfs> (shared, never written),
                   upperdir=rw/upper — what bwrap binds as the sandbox's /
@@ -72,6 +72,13 @@ def _write_root_file(path: Path, data: bytes, mode: int = 0o644) -> None:
     tmp.replace(path)
 
 
+def layer_inodes(disk_mb: int) -> int:
+    """Files a layer may hold: one per 4 KiB of its size (what mke2fs gives a small disk). A
+    tmpfs's default is half the host's RAM pages: a sandbox could make millions of empty files
+    (cheap in its memory limit), and each snapshot copied them all onto the host's disk."""
+    return max(1024, int(disk_mb) * 256)
+
+
 def upper_dir(mdir: Path) -> Path:
     return mdir / "rw" / "upper"
 
@@ -96,7 +103,8 @@ def prepare(mdir: Path, lower: Path, *, disk_mb: int, uid: int, files: dict[str,
     rw.mkdir(mode=0o700)
     root.mkdir(mode=0o755)
     try:
-        _mount("cubegate-rw", rw, "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(disk_mb)}m,mode=0700")
+        _mount("cubegate-rw", rw, "tmpfs", MS_NOSUID | MS_NODEV,
+               f"size={int(disk_mb)}m,nr_inodes={layer_inodes(disk_mb)},mode=0700")
         upper, work = upper_dir(mdir), rw / "work"
         if seed_upper is not None:
             copy_layer(seed_upper, upper, from_uid=seed_uid, to_uid=uid)

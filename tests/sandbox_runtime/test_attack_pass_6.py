@@ -307,3 +307,19 @@ def test_idle_unauthenticated_bodies_cannot_take_the_runtime_apis_body_budget(tm
             for s in socks:
                 s.close()
     state.close()
+
+
+def test_a_layer_holds_a_bounded_number_of_files(tbackend, bare_netns, tmp_path):
+    """Empty files cost a sandbox ~0.5 KiB of memory each and no disk: a 256 MiB sandbox made
+    200 000 in 18 s (and a 2 GiB one could make millions), its layer's tmpfs allowed 3 million,
+    and each snapshot copied every one onto the host's disk (20 s for 200 000, the host here has
+    16.7 million inodes). The layer now holds one inode per 4 KiB of its size."""
+    from sandbox_runtime.templates.rootfs import layer_inodes
+    h = tbackend.create(_spec(tag="i"), bare_netns, ip="10.0.0.2", gateway_ip="10.0.0.1")   # 32 MiB
+    try:
+        r = tbackend.exec(h, ["sh", "-c", "mkdir f && cd f && seq -f 'n%g' 1 20000 | xargs touch 2>/dev/null;"
+                                          " ls | wc -l; df -i /workspace | tail -1"], timeout=60)
+        made, inodes = int(r.stdout.split()[0]), int(r.stdout.split()[2])
+        assert inodes == layer_inodes(32) and made < layer_inodes(32), r.stdout
+    finally:
+        tbackend.destroy(h)
