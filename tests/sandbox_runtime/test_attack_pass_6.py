@@ -323,3 +323,53 @@ def test_a_layer_holds_a_bounded_number_of_files(tbackend, bare_netns, tmp_path)
         assert inodes == layer_inodes(32) and made < layer_inodes(32), r.stdout
     finally:
         tbackend.destroy(h)
+
+
+# ------------------------------------------------------------------ socket families no netns confines
+
+VSOCK_PROBE_C = r"""
+#include <stdio.h>
+#include <string.h>
+#include <errno.h>
+#include <sys/socket.h>
+int main(void) {   /* socket() only: nothing is connected to */
+    int s = socket(40 /* AF_VSOCK */, SOCK_STREAM, 0);
+    puts(s >= 0 ? "open" : strerror(errno));
+    s = socket(AF_INET, SOCK_STREAM, 0);
+    puts(s >= 0 ? "inet-open" : strerror(errno));
+    return 0;
+}
+"""
+
+
+def test_the_filter_refuses_vsock_sockets_only():
+    from sandbox_runtime import seccomp as sc
+    from tests.sandbox_runtime.test_namespace import run_bpf
+    prog = sc.build_filter()
+    allow, eperm = sc.SECCOMP_RET_ALLOW, sc.SECCOMP_RET_ERRNO | 1
+    assert run_bpf(prog, sc.SYS_SOCKET, arg0=40) == eperm
+    for family in (1, 2, 10, 16):                   # unix, inet, inet6, netlink
+        assert run_bpf(prog, sc.SYS_SOCKET, arg0=family) == allow, family
+    for name, nr in sc.DENIED_X86_64.items():       # the rest of the table still holds
+        assert run_bpf(prog, nr) == eperm, name
+    assert run_bpf(prog, 56, arg0=0x01200011) == allow and run_bpf(prog, 56, arg0=0x10000000 | 17) == eperm
+    assert run_bpf(prog, 0x40000000 | 41, arg0=40) == eperm and run_bpf(prog, 0) == allow
+
+
+def test_a_sandbox_cannot_open_a_vsock_socket(tbackend, bare_netns, tmp_path):
+    """FINDING: AF_VSOCK is in no network namespace: from any sandbox it reaches the hypervisor's
+    vsock services (CID 2) when the host is a VM (this one is: /dev/vsock), past the netns and
+    the switch. The sandbox now gets EPERM at socket(); other families are unchanged."""
+    import shutil
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc needed")
+    src = tmp_path / "v.c"
+    src.write_text(VSOCK_PROBE_C)
+    subprocess.run(["gcc", "-O2", "-static", "-o", str(tmp_path / "v"), str(src)], check=True, timeout=120)
+    h = tbackend.create(_spec(tag="v"), bare_netns, ip="10.0.0.2", gateway_ip="10.0.0.1")
+    try:
+        tbackend.write_file(h, "/workspace/v", (tmp_path / "v").read_bytes(), 0o755)
+        r = tbackend.exec(h, ["/workspace/v"])
+        assert r.exit_code == 0 and r.stdout.decode().split("\n")[:2] == ["Operation not permitted", "inet-open"], r
+    finally:
+        tbackend.destroy(h)
