@@ -9,11 +9,12 @@ bodies one server holds at a time are bounded too (`max_buffered`, default twice
 
 That budget is reserved from the declared length, before a byte arrives: without
 `admit`, anyone on loopback could hold all of it with two idle connections (for the
-body timeout) and every other caller's body would be 503. `admit(headers)` says
-whether the headers carry valid credentials; a request they do not admit may send
-only a small body (ANON_MAX_BODY, from a small budget of its own, ANON_BUDGET: it
-still reaches its handler, which answers 401 and audits it), anything larger is
-answered 401 before it is read.
+body timeout) and every other caller's body would be 503. `admit(headers)` names who
+the headers' valid credentials belong to (None: nobody). Each such caller may hold at
+most half the budget (one tenant cannot take it from the others); a request nobody is
+admitted for may send only a small body (ANON_MAX_BODY, from a small budget of its own,
+ANON_BUDGET: it still reaches its handler, which answers 401 and audits it), anything
+larger is answered 401 before it is read.
 """
 from __future__ import annotations
 
@@ -48,25 +49,33 @@ def check_bind_address(host: str, allow_non_loopback: bool = False, what: str = 
                          "(pass allow_non_loopback=True to override)")
 
 
-def bearer_admit(verify: Callable[[str], object]) -> Callable[[tornado.httputil.HTTPHeaders], bool]:
-    """`admit` for an API whose handlers take a bearer token (JsonHandler): verify(token) is
-    not None (the same check the handler makes after the body)."""
-    def admit(headers: tornado.httputil.HTTPHeaders) -> bool:
+Admit = Callable[[tornado.httputil.HTTPHeaders], "str | None"]
+
+
+def bearer_admit(verify: Callable[[str], object]) -> Admit:
+    """`admit` for an API whose handlers take a bearer token (JsonHandler): the token's id
+    when verify(token) knows it (the same check the handler makes after the body)."""
+    def admit(headers: tornado.httputil.HTTPHeaders) -> str | None:
         scheme, _, token = headers.get("Authorization", "").partition(" ")
         token = token.strip()
-        return scheme.lower() == "bearer" and bool(token) and verify(token) is not None
+        found = verify(token) if scheme.lower() == "bearer" and token else None
+        return None if found is None else str(getattr(found, "id", found))
     return admit
 
 
-def session_admit(sessions, cookie: str) -> Callable[[tornado.httputil.HTTPHeaders], bool]:
-    """`admit` for a browser app (SessionHandler): the session cookie (`cookie`, or its
-    `__Host-` form over TLS) names a live session of `sessions` (looked at, not touched)."""
-    def admit(headers: tornado.httputil.HTTPHeaders) -> bool:
+def session_admit(sessions, cookie: str) -> Admit:
+    """`admit` for a browser app (SessionHandler): the actor of the live session of `sessions`
+    the session cookie (`cookie`, or its `__Host-` form over TLS) names (looked at, not touched)."""
+    def admit(headers: tornado.httputil.HTTPHeaders) -> str | None:
         try:
             jar = tornado.httputil.parse_cookie(headers.get("Cookie", ""))
-        except Exception:  # noqa: BLE001 - a malformed cookie header admits nothing
-            return False
-        return any(sessions.get(jar.get(name), touch=False) is not None for name in (cookie, "__Host-" + cookie))
+        except Exception:  # noqa: BLE001 - a malformed cookie header admits nobody
+            return None
+        for name in (cookie, "__Host-" + cookie):
+            session = sessions.get(jar.get(name), touch=False)
+            if session is not None:
+                return str(session.actor)
+        return None
     return admit
 
 
@@ -97,18 +106,18 @@ class Server:
 def serve(app: tornado.web.Application, *, max_body: int, host: str = "127.0.0.1", port: int = 0,
           unix_socket: str | None = None, loopback_only: bool = True, what: str = "this API",
           ssl_options=None, body_limit: Callable[[str], int] | None = None,
-          max_buffered: int | None = None, admit: Callable[[tornado.httputil.HTTPHeaders], bool] | None = None
-          ) -> Server:
+          max_buffered: int | None = None, admit: Admit | None = None) -> Server:
     """Start listening on the running asyncio loop. port=0 picks a free port; ssl_options (an
     ssl.SSLContext): HTTPS. body_limit(path): a route's own limit (at most max_body);
-    max_buffered: all bodies being read at once (default 2 * max_body); admit(headers): whether
-    they carry valid credentials (None: every request may use the whole budget)."""
+    max_buffered: all bodies being read at once (default 2 * max_body); admit(headers): who their
+    valid credentials belong to, or None (no admit: every request may use the whole budget)."""
     if unix_socket:
         sockets = [tornado.netutil.bind_unix_socket(unix_socket, mode=0o600)]
     else:
         check_bind_address(host, not loopback_only, what)
         sockets = tornado.netutil.bind_sockets(port, address=host)
-    budget = _Budget(2 * max_body if max_buffered is None else max_buffered)
+    total = 2 * max_body if max_buffered is None else max_buffered
+    budget = _Budget(total, share=total // 2 if admit is not None else None)
     server = tornado.httpserver.HTTPServer(_BodyLimit(app, max_body, body_limit, budget, admit), max_body_size=max_body,
                                           xheaders=False,
                                           idle_connection_timeout=IDLE_SECONDS, body_timeout=IDLE_SECONDS,
@@ -118,19 +127,30 @@ def serve(app: tornado.web.Application, *, max_body: int, host: str = "127.0.0.1
 
 
 class _Budget:
-    """Bytes of request bodies being read at once (the event loop's thread only: no lock)."""
+    """Bytes of request bodies being read at once, and by each caller at most `share` (the
+    event loop's thread only: no lock)."""
 
-    def __init__(self, limit: int):
-        self.limit, self.used = limit, 0
+    def __init__(self, limit: int, share: int | None = None):
+        self.limit, self.used, self.share = limit, 0, share
+        self.used_by: dict[str, int] = {}
 
-    def take(self, n: int) -> bool:
-        if self.used + n > self.limit:
+    def take(self, n: int, who: str | None = None) -> bool:
+        mine = self.used_by.get(who, 0) if who is not None else 0
+        if self.used + n > self.limit or (self.share is not None and who is not None and mine + n > self.share):
             return False
         self.used += n
+        if who is not None:
+            self.used_by[who] = mine + n
         return True
 
-    def give(self, n: int) -> None:
+    def give(self, n: int, who: str | None = None) -> None:
         self.used -= n
+        if who is not None:
+            left = self.used_by.get(who, 0) - n
+            if left > 0:
+                self.used_by[who] = left
+            else:
+                self.used_by.pop(who, None)
 
 
 class _BodyLimit(tornado.httputil.HTTPServerConnectionDelegate):
@@ -149,7 +169,7 @@ class _LimitedRequest(tornado.httputil.HTTPMessageDelegate):
     def __init__(self, inner: tornado.httputil.HTTPMessageDelegate, conn, owner: _BodyLimit):
         self.inner, self.conn, self.owner = inner, conn, owner
         self.limit, self.held, self.seen = owner.limit, 0, 0
-        self.held_from = owner.budget
+        self.held_from, self.who = owner.budget, None
 
     async def _refuse(self, start_line, status: str, error: str, message: str) -> None:
         """Answer before reading a byte of the body, then drop the connection (detached:
@@ -174,16 +194,18 @@ class _LimitedRequest(tornado.httputil.HTTPMessageDelegate):
             return await self._refuse(start_line, "413 Payload Too Large", "too_large",
                                       f"request body is {int(length)} bytes; the limit is {self.limit}")
         chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
-        if (chunked or length is not None and length.isdigit() and int(length) > 0) and \
-                self.owner.admit is not None and not self.owner.admit(headers):
-            if chunked or int(length) > ANON_MAX_BODY:
-                return await self._refuse(start_line, "401 Unauthorized", "unauthorized",
-                                          f"a body over {ANON_MAX_BODY} bytes needs valid credentials in the headers")
-            self.limit, self.held_from = min(self.limit, ANON_MAX_BODY), self.owner.anon_budget
+        has_body = chunked or (length is not None and length.isdigit() and int(length) > 0)
+        if has_body and self.owner.admit is not None:
+            self.who = self.owner.admit(headers)
+            if self.who is None:
+                if chunked or int(length) > ANON_MAX_BODY:
+                    return await self._refuse(start_line, "401 Unauthorized", "unauthorized",
+                                              f"a body over {ANON_MAX_BODY} bytes needs valid credentials in the headers")
+                self.limit, self.held_from = min(self.limit, ANON_MAX_BODY), self.owner.anon_budget
         # what this body may hold: its declared length, else (chunked) the whole limit
         want = int(length) if length is not None and length.isdigit() else (self.limit if chunked else 0)
         if want:
-            if not self.held_from.take(want):
+            if not self.held_from.take(want, self.who):
                 return await self._refuse(start_line, "503 Service Unavailable", "busy",
                                           "too many request bodies are being received; try again")
             self.held = want
@@ -198,7 +220,7 @@ class _LimitedRequest(tornado.httputil.HTTPMessageDelegate):
 
     def _release(self) -> None:
         if self.held:
-            self.held_from.give(self.held)
+            self.held_from.give(self.held, self.who)
             self.held = 0
 
     def finish(self) -> None:

@@ -4,7 +4,8 @@ The body budget of an httpkit server (2 x its largest body) was reserved from th
 Content-Length as soon as the headers arrived, before any credential was looked at. Two idle
 connections from anyone on loopback declaring two 256 MiB uploads held all of it until the
 body timeout (300 s), and every other caller's request with a body (sandbox create, envd
-calls, uploads) was answered 503: one unauthenticated client stopped every tenant."""
+calls, uploads) was answered 503: one unauthenticated client stopped every tenant. With
+valid credentials (any tenant's sandbox's envd token) the same two connections still did."""
 from __future__ import annotations
 
 import socket
@@ -36,14 +37,15 @@ def e2b_api(tmp_path):
     manager = SandboxManager(switch=None, backends={}, state=state, budget=default_budget(1024, 1.0, 4, 0))
     core = E2bCore(manager, Registry(tmp_path / "e2b"), templates={}, default_backend="namespace",
                    default_limits=Limits(), default_timeout=60, max_timeout=600, domain=None)
-    core.registry.put(E2bSandbox("sb-1", "acme", "base", "base", 0.0, 1e12, "envd-token-of-sb-1"))
+    core.registry.put(E2bSandbox("sb-1", "globex", "base", "base", 0.0, 1e12, "envd-token-of-sb-1"))
     token_file = tmp_path / "api.token"
     ensure_token_file(token_file, RUNTIME_TOKEN_PREFIX)
     tokens = TokenCheck(token_file)
     pool = ThreadPoolExecutor(max_workers=4)
     app = service.make_app(core, tokens, Lanes(pool, service.CONTROL_LIMITS), Lanes(pool, service.ENVD_LIMITS),
                            tenants={}, default_tenant="acme", domain=None)
-    with served(lambda: service.listen(app, core, tokens, port=0, max_upload_mb=UPLOAD_MB, domain=None)) as srv:
+    with served(lambda: service.listen(app, core, tokens, port=0, max_upload_mb=UPLOAD_MB, domain=None,
+                                       tenants={}, default_tenant="acme")) as srv:
         yield srv, token_file.read_text().strip()
     pool.shutdown(wait=False, cancel_futures=True)
     state.close()
@@ -109,3 +111,15 @@ def test_a_valid_envd_token_may_still_send_a_large_upload_head(e2b_api):
     srv, _ = e2b_api
     with held_bodies(srv.port, [_upload_head(UPLOAD_MB << 20, "X-Access-Token: envd-token-of-sb-1\r\n")]) as socks:
         assert _reply(socks[0], 1.0) == b""               # admitted: the server waits for the body
+
+
+def test_one_tenant_holds_at_most_half_of_the_body_budget(e2b_api):
+    srv, key = e2b_api                       # the key is tenant acme's; sb-1 is globex's
+    envd = "X-Access-Token: envd-token-of-sb-1\r\n"
+    half = UPLOAD_MB << 20                   # the budget is two of these
+    with held_bodies(srv.port, [_upload_head(half, envd), _upload_head(half, envd)]) as socks:
+        assert _reply(socks[0], 1.0) == b""                                 # held: waits for its body
+        assert _reply(socks[1]).startswith(b"HTTP/1.1 503")                 # globex's share is full
+        r = httpx.post(f"http://127.0.0.1:{srv.port}/sandboxes", headers={"X-API-Key": key},
+                       content=b"{not json", timeout=10)
+        assert r.status_code == 400, (r.status_code, r.text)     # before: acme got 503 "busy" too
