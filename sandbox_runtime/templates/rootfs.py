@@ -213,7 +213,10 @@ def _replace_in_file(fd: int, size: int, tokens: dict[bytes, bytes]) -> bool:
                     dirty = True
                     i = buf.find(old, i + len(old))
             if dirty:
-                os.pwrite(fd, buf, pos)
+                view, at = memoryview(buf), pos
+                while view:
+                    n = os.pwrite(fd, view, at)
+                    view, at = view[n:], at + n
                 hit = True
             if pos + len(buf) >= end:
                 break
