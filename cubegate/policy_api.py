@@ -272,4 +272,5 @@ def make_app(live: LivePolicies, access, tokens, *, audit_hook: AuditHook | None
 
 def serve(live: LivePolicies, access, tokens, *, port: int, audit_hook: AuditHook | None = None) -> httpkit.Server:
     app = make_app(live, access, tokens, audit_hook=audit_hook)
-    return httpkit.serve(app, max_body=MAX_BODY, host="127.0.0.1", port=port, what="the policy API")
+    return httpkit.serve(app, max_body=MAX_BODY, host="127.0.0.1", port=port, what="the policy API",
+                         admit=httpkit.bearer_admit(tokens.verify))

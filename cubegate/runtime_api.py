@@ -369,8 +369,10 @@ def serve(manager: SandboxManager, *, host: str, port: int, token_file: Path, va
           workers: int = 64, default_template: str | None = None) -> RuntimeServer:
     ensure_token_file(token_file, RUNTIME_TOKEN_PREFIX)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="runtime")
-    app = make_app(manager, TokenCheck(token_file, vault_tokens), pool, audit_hook=audit_hook,
+    tokens = TokenCheck(token_file, vault_tokens)
+    app = make_app(manager, tokens, pool, audit_hook=audit_hook,
                    default_backend=default_backend, default_limits=default_limits,
                    default_template=default_template)
     # loopback only: sandboxes must never reach it
-    return RuntimeServer(httpkit.serve(app, max_body=MAX_BODY, host=host, port=port, what="the sandbox API"), pool)
+    return RuntimeServer(httpkit.serve(app, max_body=MAX_BODY, host=host, port=port, what="the sandbox API",
+                                       admit=httpkit.bearer_admit(tokens.actor)), pool)

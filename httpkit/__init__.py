@@ -22,9 +22,9 @@ from .openapi import document, openapi_document, openapi_handler
 from .operation import Operation, operation, operation_of
 from .pages import STRICT_CSP, PublicStaticHandler, SessionHandler
 from .session import Session, SessionStore
-from .server import Server, check_bind_address, serve
+from .server import Server, bearer_admit, check_bind_address, serve, session_admit
 from .validation import parse_body, parse_query
 
 __all__ = ["ApiError", "AuditHook", "Body", "ErrorBody", "ErrorMap", "JsonHandler", "Operation", "PathParam",
-           "PublicStaticHandler", "Reply", "STRICT_CSP", "Server", "Session", "SessionHandler", "SessionStore", "check_bind_address", "document", "make_app", "openapi_document", "openapi_handler",
-           "operation", "operation_of", "parse_body", "parse_query", "rule_regex", "serve", "template_of"]
+           "PublicStaticHandler", "Reply", "STRICT_CSP", "Server", "bearer_admit", "Session", "SessionHandler", "SessionStore", "check_bind_address", "document", "make_app", "openapi_document", "openapi_handler",
+           "operation", "operation_of", "parse_body", "parse_query", "rule_regex", "serve", "session_admit", "template_of"]

@@ -6,6 +6,15 @@ body; a chunked body that grows past the limit is cut off (400, connection close
 Tornado reads a whole body before any handler (and its token check) runs, so the
 bodies one server holds at a time are bounded too (`max_buffered`, default twice
 `max_body`): a request whose body would not fit is answered 503 before it is read.
+
+That budget is reserved from the declared length, before a byte arrives: without
+`admit`, anyone on loopback could hold all of it with two idle connections (for the
+body timeout) and every other caller's body would be 503. `admit(headers)` names who
+the headers' valid credentials belong to (None: nobody). Each such caller may hold at
+most half the budget (one tenant cannot take it from the others); a request nobody is
+admitted for may send only a small body (ANON_MAX_BODY, from a small budget of its own,
+ANON_BUDGET: it still reaches its handler, which answers 401 and audits it), anything
+larger is answered 401 before it is read.
 """
 from __future__ import annotations
 
@@ -23,6 +32,8 @@ import tornado.web
 
 log = logging.getLogger("httpkit")
 IDLE_SECONDS = 300   # a connection that sends no request (or no body) this long is closed
+ANON_MAX_BODY = 64 << 10    # a body whose headers carry no valid credentials (see admit)
+ANON_BUDGET = 1 << 20       # all such bodies being read at once
 
 
 def check_bind_address(host: str, allow_non_loopback: bool = False, what: str = "this API") -> None:
@@ -36,6 +47,36 @@ def check_bind_address(host: str, allow_non_loopback: bool = False, what: str = 
     if not ok:
         raise ValueError(f"refusing to bind {what} to {host!r}: not a loopback address "
                          "(pass allow_non_loopback=True to override)")
+
+
+Admit = Callable[[tornado.httputil.HTTPHeaders], "str | None"]
+
+
+def bearer_admit(verify: Callable[[str], object]) -> Admit:
+    """`admit` for an API whose handlers take a bearer token (JsonHandler): the token's id
+    when verify(token) knows it (the same check the handler makes after the body)."""
+    def admit(headers: tornado.httputil.HTTPHeaders) -> str | None:
+        scheme, _, token = headers.get("Authorization", "").partition(" ")
+        token = token.strip()
+        found = verify(token) if scheme.lower() == "bearer" and token else None
+        return None if found is None else str(getattr(found, "id", found))
+    return admit
+
+
+def session_admit(sessions, cookie: str) -> Admit:
+    """`admit` for a browser app (SessionHandler): the actor of the live session of `sessions`
+    the session cookie (`cookie`, or its `__Host-` form over TLS) names (looked at, not touched)."""
+    def admit(headers: tornado.httputil.HTTPHeaders) -> str | None:
+        try:
+            jar = tornado.httputil.parse_cookie(headers.get("Cookie", ""))
+        except Exception:  # noqa: BLE001 - a malformed cookie header admits nobody
+            return None
+        for name in (cookie, "__Host-" + cookie):
+            session = sessions.get(jar.get(name), touch=False)
+            if session is not None:
+                return str(session.actor)
+        return None
+    return admit
 
 
 class Server:
@@ -65,17 +106,19 @@ class Server:
 def serve(app: tornado.web.Application, *, max_body: int, host: str = "127.0.0.1", port: int = 0,
           unix_socket: str | None = None, loopback_only: bool = True, what: str = "this API",
           ssl_options=None, body_limit: Callable[[str], int] | None = None,
-          max_buffered: int | None = None) -> Server:
+          max_buffered: int | None = None, admit: Admit | None = None) -> Server:
     """Start listening on the running asyncio loop. port=0 picks a free port; ssl_options (an
     ssl.SSLContext): HTTPS. body_limit(path): a route's own limit (at most max_body);
-    max_buffered: all bodies being read at once (default 2 * max_body)."""
+    max_buffered: all bodies being read at once (default 2 * max_body); admit(headers): who their
+    valid credentials belong to, or None (no admit: every request may use the whole budget)."""
     if unix_socket:
         sockets = [tornado.netutil.bind_unix_socket(unix_socket, mode=0o600)]
     else:
         check_bind_address(host, not loopback_only, what)
         sockets = tornado.netutil.bind_sockets(port, address=host)
-    budget = _Budget(2 * max_body if max_buffered is None else max_buffered)
-    server = tornado.httpserver.HTTPServer(_BodyLimit(app, max_body, body_limit, budget), max_body_size=max_body,
+    total = 2 * max_body if max_buffered is None else max_buffered
+    budget = _Budget(total, share=total // 2 if admit is not None else None)
+    server = tornado.httpserver.HTTPServer(_BodyLimit(app, max_body, body_limit, budget, admit), max_body_size=max_body,
                                           xheaders=False,
                                           idle_connection_timeout=IDLE_SECONDS, body_timeout=IDLE_SECONDS,
                                           ssl_options=ssl_options)
@@ -84,24 +127,36 @@ def serve(app: tornado.web.Application, *, max_body: int, host: str = "127.0.0.1
 
 
 class _Budget:
-    """Bytes of request bodies being read at once (the event loop's thread only: no lock)."""
+    """Bytes of request bodies being read at once, and by each caller at most `share` (the
+    event loop's thread only: no lock)."""
 
-    def __init__(self, limit: int):
-        self.limit, self.used = limit, 0
+    def __init__(self, limit: int, share: int | None = None):
+        self.limit, self.used, self.share = limit, 0, share
+        self.used_by: dict[str, int] = {}
 
-    def take(self, n: int) -> bool:
-        if self.used + n > self.limit:
+    def take(self, n: int, who: str | None = None) -> bool:
+        mine = self.used_by.get(who, 0) if who is not None else 0
+        if self.used + n > self.limit or (self.share is not None and who is not None and mine + n > self.share):
             return False
         self.used += n
+        if who is not None:
+            self.used_by[who] = mine + n
         return True
 
-    def give(self, n: int) -> None:
+    def give(self, n: int, who: str | None = None) -> None:
         self.used -= n
+        if who is not None:
+            left = self.used_by.get(who, 0) - n
+            if left > 0:
+                self.used_by[who] = left
+            else:
+                self.used_by.pop(who, None)
 
 
 class _BodyLimit(tornado.httputil.HTTPServerConnectionDelegate):
-    def __init__(self, app: tornado.web.Application, limit: int, body_limit, budget: _Budget):
+    def __init__(self, app: tornado.web.Application, limit: int, body_limit, budget: _Budget, admit=None):
         self.app, self.limit, self.body_limit, self.budget = app, limit, body_limit, budget
+        self.admit, self.anon_budget = admit, _Budget(ANON_BUDGET)
 
     def start_request(self, server_conn, request_conn):
         return _LimitedRequest(self.app.start_request(server_conn, request_conn), request_conn, self)
@@ -114,6 +169,7 @@ class _LimitedRequest(tornado.httputil.HTTPMessageDelegate):
     def __init__(self, inner: tornado.httputil.HTTPMessageDelegate, conn, owner: _BodyLimit):
         self.inner, self.conn, self.owner = inner, conn, owner
         self.limit, self.held, self.seen = owner.limit, 0, 0
+        self.held_from, self.who = owner.budget, None
 
     async def _refuse(self, start_line, status: str, error: str, message: str) -> None:
         """Answer before reading a byte of the body, then drop the connection (detached:
@@ -137,11 +193,19 @@ class _LimitedRequest(tornado.httputil.HTTPMessageDelegate):
         if length is not None and length.isdigit() and int(length) > self.limit:
             return await self._refuse(start_line, "413 Payload Too Large", "too_large",
                                       f"request body is {int(length)} bytes; the limit is {self.limit}")
+        chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
+        has_body = chunked or (length is not None and length.isdigit() and int(length) > 0)
+        if has_body and self.owner.admit is not None:
+            self.who = self.owner.admit(headers)
+            if self.who is None:
+                if chunked or int(length) > ANON_MAX_BODY:
+                    return await self._refuse(start_line, "401 Unauthorized", "unauthorized",
+                                              f"a body over {ANON_MAX_BODY} bytes needs valid credentials in the headers")
+                self.limit, self.held_from = min(self.limit, ANON_MAX_BODY), self.owner.anon_budget
         # what this body may hold: its declared length, else (chunked) the whole limit
-        want = int(length) if length is not None and length.isdigit() else (
-            self.limit if "chunked" in headers.get("Transfer-Encoding", "").lower() else 0)
+        want = int(length) if length is not None and length.isdigit() else (self.limit if chunked else 0)
         if want:
-            if not self.owner.budget.take(want):
+            if not self.held_from.take(want, self.who):
                 return await self._refuse(start_line, "503 Service Unavailable", "busy",
                                           "too many request bodies are being received; try again")
             self.held = want
@@ -156,7 +220,7 @@ class _LimitedRequest(tornado.httputil.HTTPMessageDelegate):
 
     def _release(self) -> None:
         if self.held:
-            self.owner.budget.give(self.held)
+            self.held_from.give(self.held, self.who)
             self.held = 0
 
     def finish(self) -> None:

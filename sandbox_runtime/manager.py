@@ -203,6 +203,8 @@ class SandboxManager:
         self.activity = activity or Activity()
         self._wake_lock = threading.Lock()   # auto-pause vs. a call that uses the sandbox: one at a time
         self._removing: set[str] = set()     # being destroyed (under _wake_lock): never paused, woken or used
+        self._copying: set[str] = set()      # its layer is being snapshotted (under _wake_lock): the copy
+                                             # thaws it at the end, so no pause, destroy or rollback meanwhile
         self.backends = backends
         self.state = state
         self.budget = budget
@@ -410,6 +412,7 @@ class SandboxManager:
             rec = self.get_record(sandbox_id)
             if sandbox_id in self._removing:
                 raise Conflict(f"sandbox {sandbox_id!r} is being removed")
+            self._refuse_while_copying(sandbox_id)
             if rec.state == "paused" and rec.paused_by == "idle":
                 rec.paused_by = "api"       # stays paused until resumed by API, not by the next call
                 self.state.put(rec)
@@ -428,6 +431,10 @@ class SandboxManager:
             self._resume(rec)
         self.activity.touch(sandbox_id)
         return rec.public()
+
+    def _refuse_while_copying(self, sandbox_id: str) -> None:
+        if sandbox_id in self._copying:
+            raise Conflict(f"sandbox {sandbox_id!r} is being snapshotted; try again when the snapshot returns")
 
     def _pause(self, rec: SandboxRecord, by: str) -> None:
         self._backend(rec.backend).pause(rec.handle)
@@ -546,7 +553,7 @@ class SandboxManager:
         if len(store.list()) >= self.max_snapshots:
             raise CapacityError(f"{self.max_snapshots} snapshots kept already (runtime.max_snapshots): "
                                 "remove some first")
-        with self._use(sandbox_id) as rec:
+        with self._use(sandbox_id) as rec, self._copying_layer(sandbox_id):
             b = self._backend(rec.backend)
             if not hasattr(b, "snapshot_layer"):
                 raise NotSupported(f"backend {rec.backend} has no snapshots")
@@ -563,6 +570,19 @@ class SandboxManager:
                 raise
         self.metrics.snapshots.labels(rec.backend).inc()
         return snap.public()
+
+    @contextlib.contextmanager
+    def _copying_layer(self, sandbox_id: str):
+        with self._wake_lock:
+            if sandbox_id in self._removing:
+                raise Conflict(f"sandbox {sandbox_id!r} is being removed")
+            self._refuse_while_copying(sandbox_id)
+            self._copying.add(sandbox_id)
+        try:
+            yield
+        finally:
+            with self._wake_lock:
+                self._copying.discard(sandbox_id)
 
     def get_snapshot(self, snapshot_id: str) -> dict:
         return self._get_snapshot(snapshot_id).public()
@@ -624,6 +644,9 @@ class SandboxManager:
             rec = self.get_record(sandbox_id)
             if rec.state not in ("running", "paused") or rec.handle is None:
                 raise Conflict(f"sandbox {sandbox_id!r} is {rec.state}")
+            if sandbox_id in self._removing:
+                raise Conflict(f"sandbox {sandbox_id!r} is being removed")
+            self._refuse_while_copying(sandbox_id)
             if snap.tenant != rec.tenant:
                 raise InvalidRequest(f"snapshot {snapshot_id!r} belongs to another tenant")
             if (snap.backend, snap.template) != (rec.backend, rec.template):
@@ -683,6 +706,7 @@ class SandboxManager:
                 raise Conflict(f"sandbox {sandbox_id!r} is being created; destroy it when the create returns")
             if sandbox_id in self._removing:
                 raise Conflict(f"sandbox {sandbox_id!r} is being removed already")
+            self._refuse_while_copying(sandbox_id)
             self._removing.add(sandbox_id)
         try:
             b = self.backends.get(rec.backend)

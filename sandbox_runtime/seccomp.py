@@ -48,6 +48,11 @@ DENIED_X86_64: dict[str, int] = {
     "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
 }
 SYS_CLONE, SYS_CLONE3 = 56, 435
+SYS_SOCKET = 41
+# Socket families that no network namespace confines (so neither the sandbox's netns nor the
+# switch sees them): AF_VSOCK reaches the hypervisor's services (CID 2) when the host is a VM,
+# and local vsock listeners of every namespace.
+DENIED_SOCKET_FAMILIES = {"AF_VSOCK": 40}
 # clone() flags that create namespaces (same effect as unshare): NEWNS, NEWCGROUP, NEWUTS,
 # NEWIPC, NEWUSER, NEWPID, NEWNET. (NEWTIME only exists for unshare/clone3; 0x80 would
 # collide with the exit-signal byte of clone.)
@@ -76,13 +81,17 @@ def build_filter(denied: dict[str, int] | None = None, err: int = errno.EPERM) -
     deny = SECCOMP_RET_ERRNO | (err & 0xFFFF)
     enosys = SECCOMP_RET_ERRNO | errno.ENOSYS
     prog: list[tuple[int, int, int, int]] = []
-    # Layout: [arch check][nr load][x32 check][deny table][clone3][clone -> arg check][ALLOW][DENY]
+    # Layout: [arch check][nr load][x32 check][deny table][clone3][clone -> arg check]
+    #         [socket -> family check][ALLOW][DENY]
     n_table = len(nrs)
+    families = sorted(set(DENIED_SOCKET_FAMILIES.values()))
+    n_fam = len(families)
     prog.append(_stmt(_LD_W_ABS, _OFF_ARCH))
     body: list = []
     body.append(_stmt(_LD_W_ABS, _OFF_NR))
-    # after this jump, instructions: table(n) + clone3(2) + clone(3) + allow(1) -> deny
-    tail = n_table + 2 + 3 + 1
+    # after this jump: table(n) + clone3(2) + clone(3) + socket(2 + families) + allow(1) -> deny
+    sock = 2 + n_fam
+    tail = n_table + 2 + 3 + sock + 1
     body.append(_jump(_JGE_K, X32_SYSCALL_BIT, tail, 0))          # x32 ABI -> DENY
     for i, nr in enumerate(nrs):
         body.append(_jump(_JEQ_K, nr, tail - 1 - i, 0))            # -> DENY
@@ -90,7 +99,11 @@ def build_filter(denied: dict[str, int] | None = None, err: int = errno.EPERM) -
     body.append(_stmt(_RET_K, enosys))                               # glibc falls back to clone()
     body.append(_jump(_JEQ_K, SYS_CLONE, 0, 2))
     body.append(_stmt(_LD_W_ABS, _OFF_ARG0_LO))
-    body.append(_jump(_JSET_K, CLONE_NS_FLAGS, 1, 0))               # namespace flags -> DENY
+    body.append(_jump(_JSET_K, CLONE_NS_FLAGS, sock + 1, sock))     # namespace flags -> DENY, else ALLOW
+    body.append(_jump(_JEQ_K, SYS_SOCKET, 0, 1 + n_fam))            # not socket() -> ALLOW
+    body.append(_stmt(_LD_W_ABS, _OFF_ARG0_LO))
+    for i, fam in enumerate(families):
+        body.append(_jump(_JEQ_K, fam, n_fam - i, 0))                # family -> DENY
     body.append(_stmt(_RET_K, SECCOMP_RET_ALLOW))
     body.append(_stmt(_RET_K, deny))
     # arch mismatch -> DENY (last instruction)

@@ -122,11 +122,16 @@ class SnapshotStore:
 
 
 def tree_size(path: Path) -> int:
-    total = 0
-    for base, _, files in os.walk(path):
-        for f in files:
+    """Bytes the tree takes on disk: allocated blocks, each inode once (a sandbox's sparse
+    file or thousand hard links must not make a small snapshot look huge, nor hide a big one)."""
+    total, seen = 0, set()
+    for base, dirs, files in os.walk(path):
+        for f in (*dirs, *files):
             try:
-                total += os.lstat(os.path.join(base, f)).st_size
+                st = os.lstat(os.path.join(base, f))
             except OSError:
-                pass
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
     return total

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import tornado.web
 from httpkit import ApiError, AuditHook, JsonHandler, PathParam, Server, check_bind_address, openapi_handler, operation
-from httpkit import make_app as build_app, serve as serve_app
+from httpkit import bearer_admit, make_app as build_app, serve as serve_app
 
 from . import api_models as m
 from .core import Vault
@@ -217,5 +217,7 @@ def serve(vault: Vault, host: str = "127.0.0.1", port: int = DEFAULT_PORT, unix_
     which must be loopback unless allow_non_loopback=True. port=0 picks a free port.
     """
     app = make_app(vault, tokens, audit_hook=audit_hook)
+    tokens = tokens if tokens is not None else vault.tokens
     return serve_app(app, max_body=MAX_BODY, host=host, port=port, unix_socket=unix_socket,
-                     loopback_only=not allow_non_loopback, what="the vault admin API")
+                     loopback_only=not allow_non_loopback, what="the vault admin API",
+                     admit=bearer_admit(tokens.verify))

@@ -16,7 +16,7 @@ import httpkit
 from httpkit import SessionStore
 
 from .app import make_app
-from .base import ConsoleContext, Runtime, known_error_text
+from .base import ConsoleContext, ConsoleHandler, Runtime, known_error_text
 from .charts import Ring, sample_from
 from .exec_jobs import ExecJobs
 from .overview import host_capacity
@@ -70,7 +70,8 @@ def build(*, settings, vault, readiness, registry, audit_index, audit_dir, runti
         policies=policies, access=access, tokens=tokens if tokens is not None else vault.tokens)
     tls = tls_context(c.tls_cert, c.tls_key) if c.tls_cert else None
     server = httpkit.serve(make_app(ctx, audit_hook), max_body=MAX_BODY, host="127.0.0.1",
-                           port=c.port if port is None else port, what="the web console", ssl_options=tls)
+                           port=c.port if port is None else port, what="the web console", ssl_options=tls,
+                           admit=httpkit.session_admit(ctx.sessions, ConsoleHandler.cookie))
     svc = ConsoleService(ctx, server, registry, tls is not None)
     svc.sample()    # the first point at once: rates need two
     return svc

@@ -31,6 +31,15 @@ from .core import E2bError, control_error
 STATES = {"running", "paused"}
 
 
+def api_key(headers) -> str:
+    """The E2B API key a request carries: X-API-Key, else a bearer token ("" when none)."""
+    token = headers.get("X-API-Key", "").strip()
+    if not token:
+        scheme, _, token = headers.get("Authorization", "").partition(" ")
+        token = token.strip() if scheme.lower() == "bearer" else ""
+    return token
+
+
 class ControlBase(JsonHandler):
     realm = "e2b"
 
@@ -45,10 +54,7 @@ class ControlBase(JsonHandler):
         self.action = f"e2b.{type(self).action}.{self.request.method.lower()}"
         if self.public:
             return None
-        token = self.request.headers.get("X-API-Key", "").strip()
-        if not token:
-            scheme, _, token = self.request.headers.get("Authorization", "").partition(" ")
-            token = token.strip() if scheme.lower() == "bearer" else ""
+        token = api_key(self.request.headers)
         self.actor = self.tokens.actor(token) if token else None
         if self.actor is None:
             raise ApiError(401, "unauthorized", "missing or invalid API key (X-API-Key)")

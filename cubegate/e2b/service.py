@@ -87,6 +87,27 @@ def make_app(core: E2bCore, tokens, control_lanes: Lanes, envd_lanes: Lanes, *, 
     return app
 
 
+def admit(core: E2bCore, tokens, domain: str | None, tenants: dict, default_tenant: str):
+    """The tenant whose valid API key, or whose sandbox's envd token, a request's headers hold
+    (None: nobody's): only such a request may send more than a small body, and one tenant at
+    most half of all bodies being read (httpkit.serve's admit)."""
+    def check(headers) -> str | None:
+        key = control.api_key(headers)
+        actor = tokens.actor(key) if key else None
+        if actor is not None:
+            return tenants.get(actor, default_tenant)
+        target = envd.target_of(headers, domain)
+        rec = core.registry.get(target[0]) if target else None
+        return rec.tenant if rec is not None and rec.token_ok(headers.get("X-Access-Token")) else None
+    return check
+
+
+def listen(app, core: E2bCore, tokens, *, port: int, max_upload_mb: int, domain: str | None, tenants: dict,
+           default_tenant: str) -> httpkit.Server:
+    return httpkit.serve(app, max_body=max_upload_mb << 20, host="127.0.0.1", port=port, what="the E2B API",
+                         body_limit=body_limit, admit=admit(core, tokens, domain, tenants, default_tenant))
+
+
 async def start_for(daemon, runtime) -> E2bService | None:
     s = daemon.settings
     e = s.e2b
@@ -108,8 +129,8 @@ async def start_for(daemon, runtime) -> E2bService | None:
     app = make_app(core, tokens, Lanes(control_pool, CONTROL_LIMITS), Lanes(envd_pool, ENVD_LIMITS),
                    tenants=dict(e.token_tenants), default_tenant=e.tenant, domain=e.domain,
                    audit_hook=daemon._admin_audit)
-    server = httpkit.serve(app, max_body=e.max_upload_mb << 20, host="127.0.0.1", port=e.port, what="the E2B API",
-                           body_limit=body_limit)
+    server = listen(app, core, tokens, port=e.port, max_upload_mb=e.max_upload_mb, domain=e.domain,
+                    tenants=dict(e.token_tenants), default_tenant=e.tenant)
     log.info("e2b: API on 127.0.0.1:%d (tenant %s), templates %s", server.port, e.tenant, ", ".join(core.templates))
     svc = E2bService(core, server, [envd_pool, control_pool], reaper_pool)
     daemon.supervisor.start("e2b-reaper", svc.reaper())

@@ -3,7 +3,7 @@
     <mdir> = <roots_dir>/<sandbox id>  (default /run/cubegate/roots: 0711, so bwrap, already
                   running as the sandbox's uid, reaches it whatever the state dir's mode)
     <mdir>/rw     tmpfs, size = the sandbox's disk limit (its pages are charged to the
-                  memory cgroup of whoever writes them: the sandbox)
+                  memory cgroup of whoever writes them: the sandbox), inodes bounded by it
     <mdir>/rw/upper, /rw/work       overlayfs upper and work directories
     <mdir>/root   overlay: lowerdir=<template rootfs> (shared, never written),
                   upperdir=rw/upper — what bwrap binds as the sandbox's /
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import mmap
 import os
 import stat
 import subprocess
@@ -73,6 +72,13 @@ def _write_root_file(path: Path, data: bytes, mode: int = 0o644) -> None:
     tmp.replace(path)
 
 
+def layer_inodes(disk_mb: int) -> int:
+    """Files a layer may hold: one per 4 KiB of its size (what mke2fs gives a small disk). A
+    tmpfs's default is half the host's RAM pages: a sandbox could make millions of empty files
+    (cheap in its memory limit), and each snapshot copied them all onto the host's disk."""
+    return max(1024, int(disk_mb) * 256)
+
+
 def upper_dir(mdir: Path) -> Path:
     return mdir / "rw" / "upper"
 
@@ -97,7 +103,8 @@ def prepare(mdir: Path, lower: Path, *, disk_mb: int, uid: int, files: dict[str,
     rw.mkdir(mode=0o700)
     root.mkdir(mode=0o755)
     try:
-        _mount("cubegate-rw", rw, "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(disk_mb)}m,mode=0700")
+        _mount("cubegate-rw", rw, "tmpfs", MS_NOSUID | MS_NODEV,
+               f"size={int(disk_mb)}m,nr_inodes={layer_inodes(disk_mb)},mode=0700")
         upper, work = upper_dir(mdir), rw / "work"
         if seed_upper is not None:
             copy_layer(seed_upper, upper, from_uid=seed_uid, to_uid=uid)
@@ -140,13 +147,16 @@ def copy_layer(src: Path, dst: Path, *, from_uid: int | None, to_uid: int) -> No
 
 def replace_tokens(root: Path, tokens: dict[bytes, bytes]) -> int:
     """Replace each key by its value (same length: offsets in binary files stay) in every
-    regular file under root, in place through mmap (memory bounded by the page cache).
-    Returns how many files changed."""
+    regular file under root, in place. Returns how many files changed.
+
+    The layer is the sandbox's: only the data it holds is read (a sparse file's holes hold no
+    token and are never faulted in: on tmpfs that would allocate past the size limit and
+    SIGBUS the daemon), each inode once (hard links), in bounded chunks."""
     if not tokens:
         return 0
-    if any(len(k) != len(v) or not k for k, v in tokens.items()):
-        raise RootfsError("token replacement needs non-empty tokens of equal length")
-    changed = 0
+    if any(len(k) != len(v) or not k or b"\0" in k for k, v in tokens.items()):
+        raise RootfsError("token replacement needs non-empty tokens of equal length without NUL")
+    changed, seen = 0, set()
     for base, _, names in os.walk(root):
         for name in names:
             p = os.path.join(base, name)
@@ -155,20 +165,63 @@ def replace_tokens(root: Path, tokens: dict[bytes, bytes]) -> int:
             except OSError:
                 continue          # symlinks, devices (whiteouts), sockets
             try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode) or os.fstat(fd).st_size == 0:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_size == 0 or (st.st_dev, st.st_ino) in seen:
                     continue
-                with mmap.mmap(fd, 0) as m:
-                    hit = False
-                    for old, new in tokens.items():
-                        i = m.find(old)
-                        while i >= 0:
-                            m[i:i + len(old)] = new
-                            hit = True
-                            i = m.find(old, i + len(old))
-                    changed += hit
+                seen.add((st.st_dev, st.st_ino))
+                changed += _replace_in_file(fd, st.st_size, tokens)
             finally:
                 os.close(fd)
     return changed
+
+
+_CHUNK = 1 << 20
+
+
+def _data_extents(fd: int, size: int):
+    """(start, end) of each data region (SEEK_DATA/SEEK_HOLE; the whole file where unsupported)."""
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == 6:          # ENXIO: no data after pos
+                return
+            yield pos, size           # no hole support: all of it is data
+            return
+        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        yield start, end
+        pos = end
+
+
+def _replace_in_file(fd: int, size: int, tokens: dict[bytes, bytes]) -> bool:
+    """A token holds no NUL, so none spans a hole: each data region is searched on its own,
+    chunk by chunk with an overlap of the longest token."""
+    overlap = max(len(k) for k in tokens) - 1
+    hit = False
+    for start, end in _data_extents(fd, size):
+        pos = start
+        while pos < end:
+            buf = bytearray(os.pread(fd, min(_CHUNK + overlap, end - pos), pos))
+            if not buf:
+                break
+            dirty = False
+            for old, new in tokens.items():
+                i = buf.find(old)
+                while i >= 0:
+                    buf[i:i + len(old)] = new
+                    dirty = True
+                    i = buf.find(old, i + len(old))
+            if dirty:
+                view, at = memoryview(buf), pos
+                while view:
+                    n = os.pwrite(fd, view, at)
+                    view, at = view[n:], at + n
+                hit = True
+            if pos + len(buf) >= end:
+                break
+            pos += max(len(buf) - overlap, 1)
+    return hit
 
 
 def release(mdir: Path) -> None:
