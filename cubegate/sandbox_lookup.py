@@ -3,6 +3,7 @@
 The switch owns the registry (it allocates the addresses); the gateway only
 reads it. Labels come from the IdentityStore when the sandbox also has an
 explicit-proxy identity there, so policies selected by label apply in both modes.
+The same registry says which address a sandbox's explicit-proxy token is accepted from.
 """
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ class RegistryLookup:
         if sandbox_id is None:
             return None  # not a sandbox address: the gate denies (unknown_source)
         return self.identity_of(sandbox_id, self.identities.get(sandbox_id))
+
+    def address_of(self, sandbox_id: str) -> str | None:
+        """The address the switch gave the sandbox (None: no sandbox of the switch's)."""
+        entry = self.registry.get(sandbox_id)
+        return entry.ip if entry is not None else None
 
     @staticmethod
     def identity_of(sandbox_id: str, known: Identity | None) -> Identity:

@@ -108,15 +108,16 @@ class Worker:
         if self.vault is not None:
             from egress.credentials import VaultCredentials
             credentials = VaultCredentials(self.vault, metrics=metrics, scrub_bodies=s.vault.scrub_response_bodies)
-        lookup = None
-        if s.proxy.transparent_port:
-            from cubevs.registry import Registry
-            from cubegate.sandbox_lookup import RegistryLookup
-            lookup = RegistryLookup(Registry(s.cubevs_state_dir), self.identities)
+        from cubevs.registry import Registry
+        from cubegate.sandbox_lookup import RegistryLookup
+        # the switch's record: who a transparent source is, and where a sandbox's token may come from
+        registry = RegistryLookup(Registry(s.cubevs_state_dir), self.identities)
+        lookup = registry if s.proxy.transparent_port else None
         self.agent = RemoteAgentEndpoint(self.link)
         self.dataplane = DataPlane(s, policies=self.policies, identities=self.identities, guard=guard,
                                    resolver=resolver, audit=self.audit, metrics=metrics, credentials=credentials,
-                                   sandbox_lookup=lookup, agent_endpoint=self.agent, sockets=self.sockets)
+                                   sandbox_lookup=lookup, sandbox_addresses=registry, agent_endpoint=self.agent,
+                                   sockets=self.sockets)
         claims = hello.get("claims")
         if claims:   # the per-sandbox connection cap counts every worker's connections
             from egress.shared_claims import SharedClaims
