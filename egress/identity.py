@@ -153,9 +153,16 @@ class IdentityStore:
             self._writes += 1
         return cur.rowcount > 0
 
-    def generation(self) -> tuple[int, int]:
-        """Changes whenever the table may have (any process's commit, or ours): a cheap poll."""
+    def forget_cached(self) -> None:
+        """The table could not be read: no authentication is answered from memory until it is again."""
         with self._lock:
+            self._cache.clear()
+
+    def generation(self) -> tuple[int, int]:
+        """Changes whenever the table may have (any process's commit, or ours): a cheap poll, which
+        raises when the table cannot be read (one row is read: a lost table or page is seen at once)."""
+        with self._lock:
+            self._db.execute("SELECT 1 FROM identities LIMIT 1").fetchall()
             return self._db.execute("PRAGMA data_version").fetchone()[0], self._writes
 
     def get(self, sandbox_id: str) -> Identity | None:

@@ -2,15 +2,20 @@
 keep working). Real gateway, cubevs switch and sandbox namespaces (tests/gateway/hostile_env.py).
 
 1. A sandbox's explicit-proxy token is bound to the address the switch gave that sandbox.
+2. An identity store that cannot be read closes the open explicit connections (fail closed).
 """
 from __future__ import annotations
 
 import socket
+import sqlite3
+import ssl
+import time
 
 import pytest
 
 from testbed import netns
 from tests.gateway import rawclient
+from tests.gateway.harness import Gateway
 from tests.gateway.hostile_env import H, SANDBOX, SECOND, SINK, hostile_env
 from tests.gateway.switchlab import HUB_IP
 
@@ -99,3 +104,76 @@ def test_an_identity_of_no_sandbox_works_from_anywhere(env):
                          _auth(env, THIEF))
     assert status == 200, head
 
+
+# ------------------------------------------------------------------ 2. an unreadable identity store fails closed
+STORE_POLICY = """\
+name: store
+default: deny
+rules:
+  - name: api
+    action: allow
+    match: {hosts: [api.allowed.test], ports: [443]}
+"""
+
+
+def _rename_identities(gw, old: str, new: str) -> None:
+    """Another process's migration gone wrong: the table is gone (every lookup raises)."""
+    db = sqlite3.connect(gw.state_dir / "identities.db")
+    try:
+        db.execute(f"ALTER TABLE {old} RENAME TO {new}")
+        db.commit()
+    finally:
+        db.close()
+
+
+def _held_tunnel_closed_after(gw, change, window: float) -> dict:
+    """A TLS keep-alive tunnel to api.allowed.test (one answer read), then change(): whether the
+    gateway closes it within `window` seconds."""
+    s, head = rawclient.connect_tunnel(gw.proxy_port, "api.allowed.test:443", _auth_of(gw, "sb-1"))
+    assert rawclient.connect_status(head) == 200, head
+    tls = ssl.create_default_context(cafile=str(gw.lab.ca.bundle_path)).wrap_socket(
+        s, server_hostname="api.allowed.test")
+    tls.settimeout(5)
+    tls.sendall(b"GET /held HTTP/1.1\r\nHost: api.allowed.test\r\n\r\n")
+    assert tls.recv(65536).startswith(b"HTTP/1.1 200")
+    change()
+    t0 = time.monotonic()
+    tls.settimeout(0.5)
+    closed = False
+    while time.monotonic() - t0 < window and not closed:
+        try:
+            closed = tls.recv(65536) == b""
+        except socket.timeout:
+            pass
+        except (OSError, ssl.SSLError):
+            closed = True
+    tls.close()
+    return {"closed": closed, "after_s": round(time.monotonic() - t0, 2)}
+
+
+def _auth_of(gw, sandbox: str) -> str:
+    return rawclient.auth_header(sandbox, gw.tokens[sandbox])
+
+
+def test_an_unreadable_identity_store_closes_open_explicit_tunnels(lab, tmp_path):
+    """FINDING: the worker's identity follow-up logged a store it could not read and tried again
+    next poll, closing nothing: a tunnel opened with a token stayed open for as long as the store
+    stayed unreadable (a removal or re-key in that time unseen). Now, unreadable for
+    IDENTITY_UNREADABLE_POLLS polls, every explicit connection is closed (policy_revoked,
+    denied_by identity_store_unreadable); new CONNECTs are refused until it reads again."""
+    gw = Gateway(lab, tmp_path / "gw", {"main.yaml": STORE_POLICY}).start()
+    try:
+        out = lab.call_gw(_held_tunnel_closed_after, gw,
+                          lambda: _rename_identities(gw, "identities", "identities_gone"), 6.0)
+        assert out["closed"], out
+        rec = gw.wait_record(lambda r: r.get("reason") == "policy_revoked" and r.get("sandbox") == "sb-1"
+                             and (r.get("extra") or {}).get("denied_by") == "identity_store_unreadable")
+        assert rec["decision"] == "deny", rec
+        assert gw.curl("https://api.allowed.test/l2-while-broken").connect_status != 200
+        _rename_identities(gw, "identities_gone", "identities")
+        deadline = time.monotonic() + 5
+        while (r := gw.curl("https://api.allowed.test/l2-back")).connect_status != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert r.connect_status == 200 and r.status == 200, r     # readable again: served again
+    finally:
+        gw.stop()
