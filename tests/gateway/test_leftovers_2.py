@@ -3,6 +3,7 @@ keep working). Real gateway, cubevs switch and sandbox namespaces (tests/gateway
 
 1. A sandbox's explicit-proxy token is bound to the address the switch gave that sandbox.
 2. An identity store that cannot be read closes the open explicit connections (fail closed).
+3. Deny CIDRs hold for IPv6 forms carrying a denied IPv4 address (6to4, NAT64), resolved or literal.
 """
 from __future__ import annotations
 
@@ -177,3 +178,68 @@ def test_an_unreadable_identity_store_closes_open_explicit_tunnels(lab, tmp_path
         assert r.connect_status == 200 and r.status == 200, r     # readable again: served again
     finally:
         gw.stop()
+
+
+# ------------------------------------------------------------------ 3. deny CIDRs and IPv6 forms of IPv4
+DENIED_V4 = "198.18.0.12"                 # in the policy's global denied_cidrs
+SIX_TO_FOUR = "2002:c612:c::1"            # 6to4 of DENIED_V4
+NAT64 = "64:ff9b::c612:c"                 # NAT64 of DENIED_V4
+SIX_TO_FOUR_OK = "2002:c612:a::1"         # 6to4 of 198.18.0.10: denied by nothing
+V6_ZONE = {"l2-six.allowed.test": [SIX_TO_FOUR], "l2-nat.allowed.test": [NAT64],
+           "l2-inspected.allowed.test": [SIX_TO_FOUR], "l2-ok6.allowed.test": [SIX_TO_FOUR_OK]}
+V6_POLICY = f"""\
+name: v6forms
+default: deny
+rules:
+  - name: lab
+    action: allow
+    match: {{hosts: ["*.allowed.test"], ports: [443]}}
+  - name: inspected
+    action: allow
+    match: {{hosts: [l2-inspected.allowed.test], ports: [443], paths: [/]}}
+  - name: v6-literals
+    action: allow
+    match: {{cidrs: ["2002::/16", "64:ff9b::/96"], ports: [443]}}
+global: {{denied_cidrs: [{DENIED_V4}/32]}}
+"""
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["fast_path", "mitmproxy"])
+def v6gw(request, lab, tmp_path_factory):
+    for name, addrs in V6_ZONE.items():
+        lab.set_zone(name, addrs)
+    # the SSRF guard lets these forms through (a NAT64 network): only the policy's deny can refuse them
+    g = Gateway(lab, tmp_path_factory.mktemp("v6forms"), {"v6.yaml": V6_POLICY},
+                settings_extra={"proxy": {"fast_path": request.param},
+                                "upstream": {"allow_cidrs": ["198.18.0.0/24", "2002:c612::/32", "64:ff9b::/96"]}})
+    g.start()
+    yield g
+    g.stop()
+    for name in V6_ZONE:
+        lab.set_zone(name, None)
+
+
+@pytest.mark.parametrize("target, reason", [
+    ("l2-six.allowed.test:443", "resolved_global_deny"),
+    ("l2-nat.allowed.test:443", "resolved_global_deny"),
+    ("l2-inspected.allowed.test:443", "resolved_global_deny"),     # a host with path rules (intercepted)
+    (f"[{SIX_TO_FOUR}]:443", "global_deny"),
+    (f"[{NAT64}]:443", "global_deny"),
+])
+def test_a_deny_cidr_covers_the_ipv6_forms_of_its_addresses(v6gw, target, reason):
+    """FINDING: a name resolving to (or a literal of) the 6to4 or NAT64 form of an address in the
+    policy's deny CIDRs was allowed: the deny lists were matched against the IPv6 address only."""
+    status, head = v6gw.lab.call_gw(_connect_status, ("127.0.0.1", v6gw.proxy_port), target, _auth_of(v6gw, "sb-1"))
+    assert status == 403 and reason.encode() in head, head
+    host = target.rsplit(":", 1)[0].strip("[]")
+    rec = v6gw.wait_record(lambda r: r.get("event") == "decision" and r.get("reason") == reason
+                           and (r.get("host") or "").strip("[]") == host)
+    assert rec["decision"] == "deny", rec
+    if reason == "resolved_global_deny":
+        assert rec["rule"] == f"{DENIED_V4}/32" and rec["policy"] == "global", rec
+
+
+def test_an_ipv6_form_of_an_undenied_address_is_allowed(v6gw):
+    status, head = v6gw.lab.call_gw(_connect_status, ("127.0.0.1", v6gw.proxy_port), "l2-ok6.allowed.test:443",
+                                    _auth_of(v6gw, "sb-1"))
+    assert status == 200, head
