@@ -278,7 +278,7 @@ def _embedded_ipv4(address: ipaddress.IPv6Address) -> tuple[str | None, ipaddres
         # 2001:0:SSSS:SSSS:FFFF:PPPP:CCCC:CCCC reaches the client at CCCC:CCCC, bits inverted;
         # reserved in itself (2001::/23) whatever it carries
         return "reserved", ipaddress.IPv4Address(~int(address) & 0xFFFFFFFF)
-    if address in _COMPATIBLE and int(address) > 1:   # :: and ::1 are addresses of their own
+    if address in _COMPATIBLE and int(low32) >= 1 << 24:   # not ::, ::1 nor the rest of ::0.0.0.0/8
         return "reserved", low32
     return None
 
