@@ -1165,9 +1165,10 @@ class PolicyGate:
             return False
         sandbox = st.identity.sandbox_id if st.identity else ""
         kept, denied = keep_undenied(self.policies.current, sandbox, st.decision, addresses, port)
-        if denied is not None:
+        if denied is not None:   # answered as the fast path answers it: 403, its reason (not a 502)
             self._connect_refusals[server.id] = denied.reason
-            server.error = f"cubegate: {host} resolves only into a denied range ({denied.rule}): {denied.reason}"
+            refusal = records.policy_refusal(denied)
+            server.error = mitm_internals.connect_refusal(refusal.status, refusal.reason, refusal.detail)
             return False
         server.address = (kept[0][1], port)
         return True
@@ -1236,14 +1237,15 @@ class PolicyGate:
             return
         err = data.server.error or "connect failed"
         reason = "upstream_blocked" if "blocked destination" in err else "upstream_connect_failed"
-        reason = self._connect_refusals.pop(data.server.id, reason)
+        refused = self._connect_refusals.pop(data.server.id, None)   # a policy deny at connect time: 403
+        reason = refused or reason
         if err == _UPSTREAM_LIMIT:
             reason = "sandbox_connection_limit"
         if timed_out:
             reason, err = "upstream_connect_timeout", f"no TCP connection within {self.connect_timeout}s"
         st.denied_reason = st.denied_reason or reason
         self._audit("decision", st, decision="deny", reason=reason, extra={"error": err[:300]},
-                    status=502 if reason.startswith("upstream_") else None)
+                    status=403 if refused else 502 if reason.startswith("upstream_") else None)
         self._count(st, "deny", reason, "upstream")
 
 

@@ -4,6 +4,7 @@ keep working). Real gateway, cubevs switch and sandbox namespaces (tests/gateway
 1. A sandbox's explicit-proxy token is bound to the address the switch gave that sandbox.
 2. An identity store that cannot be read closes the open explicit connections (fail closed).
 3. Deny CIDRs hold for IPv6 forms carrying a denied IPv4 address (6to4, NAT64), resolved or literal.
+4. A deny CIDR met at connect time through mitmproxy is answered 403 with its reason, not 502.
 """
 from __future__ import annotations
 
@@ -196,7 +197,13 @@ rules:
     match: {{hosts: ["*.allowed.test"], ports: [443]}}
   - name: inspected
     action: allow
-    match: {{hosts: [l2-inspected.allowed.test], ports: [443], paths: [/]}}
+    match: {{hosts: [l2-inspected.allowed.test, l2-flip-inspected.allowed.test], ports: [443], paths: [/]}}
+  - name: flip-inspected-never
+    action: deny
+    match: {{hosts: [l2-flip-inspected.allowed.test], ports: [443], paths: [/never]}}
+  - name: plain
+    action: allow
+    match: {{hosts: [l2-flip.allowed.test], ports: [80]}}
   - name: v6-literals
     action: allow
     match: {{cidrs: ["2002::/16", "64:ff9b::/96"], ports: [443]}}
@@ -212,6 +219,7 @@ def v6gw(request, lab, tmp_path_factory):
     g = Gateway(lab, tmp_path_factory.mktemp("v6forms"), {"v6.yaml": V6_POLICY},
                 settings_extra={"proxy": {"fast_path": request.param},
                                 "upstream": {"allow_cidrs": ["198.18.0.0/24", "2002:c612::/32", "64:ff9b::/96"]}})
+    g.fast_path = request.param
     g.start()
     yield g
     g.stop()
@@ -243,3 +251,36 @@ def test_an_ipv6_form_of_an_undenied_address_is_allowed(v6gw):
     status, head = v6gw.lab.call_gw(_connect_status, ("127.0.0.1", v6gw.proxy_port), "l2-ok6.allowed.test:443",
                                     _auth_of(v6gw, "sb-1"))
     assert status == 200, head
+
+
+# ------------------------------------------------------------------ 4. a connect-time deny through mitmproxy
+FLIPS = {"l2-flip.allowed.test": "http", "l2-flip-inspected.allowed.test": "https"}
+
+
+@pytest.mark.parametrize("name", list(FLIPS))
+def test_a_deny_cidr_met_at_connect_time_is_a_403_with_its_reason(v6gw, name):
+    """FINDING: mitmproxy resolves again when it connects (the gate's server_connect pins the address
+    and applies the deny CIDRs): an answer that changed since the decision into a denied range was
+    refused there, but answered 502 relay_failed — not the 403 and reason every other deny of the
+    same range gets. Answers alternate allowed/denied (TTL 0): the decision sees the allowed one,
+    mitmproxy's connect the denied one (plain HTTP through mitmproxy; an intercepted host on both
+    gateways)."""
+    scheme = FLIPS[name]
+    v6gw.lab.set_zone(name, {"alternate": ["198.18.0.10", DENIED_V4]})
+    try:
+        results = [v6gw.curl(f"{scheme}://{name}/l2-flip-{i}", "-D", "/dev/stderr", "--cacert", str(v6gw.ca_cert))
+                   for i in range(4)]
+    finally:
+        v6gw.lab.set_zone(name, None)
+    at_connect = [r for r in results if r.connect_status not in (0, 200)]   # the decision met the denied answer
+    assert all(r.connect_status == 403 and "resolved_global_deny" in r.stderr for r in at_connect), at_connect
+    in_tunnel = [r for r in results if r.connect_status in (0, 200)]
+    assert all(r.status in (200, 403) for r in in_tunnel), results
+    refused = [r for r in in_tunnel if r.status == 403]
+    # (the fast path's CONNECT and the gate's, after the hand-over, each resolve: that case ends at CONNECT)
+    assert refused or (v6gw.fast_path and scheme == "https"), results
+    assert all("x-cubegate-reason: resolved_global_deny" in r.stderr.lower() for r in refused), refused
+    assert all(r.json()["reason"] == "resolved_global_deny" for r in refused), refused
+    recs = [r for r in v6gw.audit_records() if r.get("host") == name and r.get("reason") == "resolved_global_deny"
+            and r["event"] != "connection_closed"]
+    assert recs and all(r.get("status") == 403 for r in recs), recs
