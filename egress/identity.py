@@ -85,7 +85,7 @@ def _canonical_ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | 
         addr = ipaddress.ip_address(text)
     except ValueError:
         return None
-    return addr.ipv4_mapped or addr if isinstance(addr, ipaddress.IPv6Address) else addr
+    return (addr.ipv4_mapped or addr) if isinstance(addr, ipaddress.IPv6Address) else addr
 
 
 def accepted_from(bound: str | None, source: str) -> bool:
