@@ -74,7 +74,7 @@ def kernel_splicer():
 
 class DataPlane:
     def __init__(self, s, *, policies, identities, guard, resolver, audit, metrics, credentials,
-                 sandbox_lookup, agent_endpoint, sockets: dict[bool, list] | None) -> None:
+                 sandbox_lookup, sandbox_addresses, agent_endpoint, sockets: dict[bool, list] | None) -> None:
         """sockets: transparent? → listening sockets shared with the other workers (fast path);
         None: mitmproxy binds its own (proxy.fast_path off, one worker)."""
         # mitmproxy is imported here, in the workers only: the daemon starts without it
@@ -87,6 +87,7 @@ class DataPlane:
         self.gate = PolicyGate(
             policies=policies, identities=identities, guard=guard, resolver=resolver,
             audit=audit, metrics=metrics, credentials=credentials, sandbox_lookup=sandbox_lookup,
+            sandbox_addresses=sandbox_addresses,
             max_header_count=s.proxy.max_header_count, max_header_bytes=s.proxy.max_header_bytes,
             header_timeout=s.proxy.header_timeout, upstream_timeout=s.proxy.upstream_timeout,
             connect_timeout=s.proxy.connect_timeout,

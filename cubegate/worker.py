@@ -31,6 +31,9 @@ AGENT_TIMEOUT = 5.0
 # destination (resolving, connecting) when the change is first followed, invisible to that
 # look: the identity checks go on this long after each change (longer than any decision takes).
 IDENTITY_RECHECK_SECONDS = 60.0
+# The identity store unreadable for this many polls in a row: no token can be checked, so the open
+# explicit connections are closed (fail closed); new ones already fail (every lookup raises).
+IDENTITY_UNREADABLE_POLLS = 5
 AGENT_MAX_PENDING = 256
 
 
@@ -108,15 +111,16 @@ class Worker:
         if self.vault is not None:
             from egress.credentials import VaultCredentials
             credentials = VaultCredentials(self.vault, metrics=metrics, scrub_bodies=s.vault.scrub_response_bodies)
-        lookup = None
-        if s.proxy.transparent_port:
-            from cubevs.registry import Registry
-            from cubegate.sandbox_lookup import RegistryLookup
-            lookup = RegistryLookup(Registry(s.cubevs_state_dir), self.identities)
+        from cubevs.registry import Registry
+        from cubegate.sandbox_lookup import RegistryLookup
+        # the switch's record: who a transparent source is, and where a sandbox's token may come from
+        registry = RegistryLookup(Registry(s.cubevs_state_dir), self.identities)
+        lookup = registry if s.proxy.transparent_port else None
         self.agent = RemoteAgentEndpoint(self.link)
         self.dataplane = DataPlane(s, policies=self.policies, identities=self.identities, guard=guard,
                                    resolver=resolver, audit=self.audit, metrics=metrics, credentials=credentials,
-                                   sandbox_lookup=lookup, agent_endpoint=self.agent, sockets=self.sockets)
+                                   sandbox_lookup=lookup, sandbox_addresses=registry, agent_endpoint=self.agent,
+                                   sockets=self.sockets)
         claims = hello.get("claims")
         if claims:   # the per-sandbox connection cap counts every worker's connections
             from egress.shared_claims import SharedClaims
@@ -214,43 +218,58 @@ class Worker:
         while True:
             await asyncio.sleep(interval)
             await self.follower.request()   # the relabel check below decides by the policy now in force
-            seen = self._follow_identities(seen)
+            seen = self._follow_identities(seen, unreadable_grace=IDENTITY_UNREADABLE_POLLS * interval)
             try:   # then the relabelled ones still open: re-decided with their new labels
                 self.dataplane.check_labels()
             except Exception as e:   # noqa: BLE001 - keep watching; the next look compares again
                 # by type and frames only: a store's error text can quote what it read
                 log.error("worker %d: label watch failed: %s at %s", self.slot, type(e).__name__, where(e))
 
-    def _follow_identities(self, seen):
+    _unreadable_since: float | None = None   # when following the identity store first failed
+
+    def _follow_identities(self, seen, unreadable_grace: float = 0.0):
         """Close the open connections of identities removed or re-keyed since `seen` (None: the
         first look), and again on every poll until IDENTITY_RECHECK_SECONDS after the last change;
-        returns (generation, recheck until) now (unchanged on a failure: the next poll tries again).
-        A relabel alone is check_labels' (re-decided, not closed)."""
+        returns (generation, recheck until) now (unchanged on a failure: the next poll tries again,
+        and once the store has been unreadable past `unreadable_grace`, every explicit connection
+        is closed). A relabel alone is check_labels' (re-decided, not closed)."""
+        try:
+            seen = self._follow_identity_changes(seen)
+            self._unreadable_since = None
+            return seen
+        except Exception as e:   # new authentications fail closed (each lookup raises); open ones:
+            self.identities.forget_cached()
+            clock = time.monotonic()
+            since = self._unreadable_since = self._unreadable_since or clock
+            closing = clock - since >= unreadable_grace
+            # the text may quote the table: class and frames only
+            log.error("worker %d: following identity changes failed (%s at %s)%s", self.slot,
+                      type(e).__name__, where(e), "; closing explicit connections" if closing else "; retried next poll")
+            if closing:
+                from egress.revocation import identity_unverifiable
+                self.dataplane.gate.revoke_where(identity_unverifiable)
+            return seen
+
+    def _follow_identity_changes(self, seen):
         from cubegate.sandbox_lookup import RegistryLookup
         from egress.revocation import identity_changed
-        try:
-            now = self.identities.generation()
-            if seen is None:
-                return now, 0.0
-            last, recheck_until = seen
-            clock = time.monotonic()
-            if now != last:
-                recheck_until = clock + IDENTITY_RECHECK_SECONDS
-            elif clock >= recheck_until:
-                return seen
-            table = {i.sandbox_id: i for i in self.identities.list()}   # one read for every connection
-
-            def current(conn):
-                known = table.get(conn.sandbox_id)
-                return RegistryLookup.identity_of(conn.sandbox_id, known) if conn.transparent else known
-
-            self.dataplane.gate.revoke_where(identity_changed(current))
-            return now, recheck_until
-        except Exception as e:   # serving goes on (new connections still authenticate, fail closed);
-            # the text may quote the table: class and frames only
-            log.error("worker %d: following identity changes failed (%s at %s); retried next poll",
-                      self.slot, type(e).__name__, where(e))
+        now = self.identities.generation()
+        if seen is None:
+            return now, 0.0
+        last, recheck_until = seen
+        clock = time.monotonic()
+        if now != last:
+            recheck_until = clock + IDENTITY_RECHECK_SECONDS
+        elif clock >= recheck_until:
             return seen
+        table = {i.sandbox_id: i for i in self.identities.list()}   # one read for every connection
+
+        def current(conn):
+            known = table.get(conn.sandbox_id)
+            return RegistryLookup.identity_of(conn.sandbox_id, known) if conn.transparent else known
+
+        self.dataplane.gate.revoke_where(identity_changed(current))
+        return now, recheck_until
 
 
 def _fds(arg: str) -> list[socket.socket]:

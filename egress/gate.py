@@ -33,7 +33,7 @@ from egress.http_checks import (PROXY_ONLY_HEADERS, Refusal, check_framing, chec
                                 check_request_authority, is_websocket_upgrade, transparent_host)
 from egress.conn_state import ConnectionClaims, ConnState
 from egress.destination import AGENT_HOST, connected_refusal, decide_destination, keep_undenied, needs_interception
-from egress.identity import Identity, IdentityStore
+from egress.identity import Identity, IdentityStore, SandboxAddresses, accepted_from
 from egress import records
 from egress.audit.record import now_ts
 from egress.refusal_budget import DEFAULT_REFUSALS_PER_INTERVAL, RefusalBudget
@@ -144,6 +144,7 @@ class PolicyGate:
         metrics: GatewayMetrics,
         credentials: CredentialHook | None = None,
         sandbox_lookup: SandboxLookup | None = None,
+        sandbox_addresses: SandboxAddresses | None = None,
         max_header_count: int = 100,
         max_header_bytes: int = 32 * 1024,
         header_timeout: float | None = None,
@@ -162,6 +163,7 @@ class PolicyGate:
         self.metrics = metrics
         self.credentials = credentials or NoCredentials()
         self.sandbox_lookup = sandbox_lookup
+        self.sandbox_addresses = sandbox_addresses   # a sandbox's token works from its address only
         self.max_header_count = max_header_count
         self.max_header_bytes = max_header_bytes
         self.header_timeout = header_timeout
@@ -474,6 +476,16 @@ class PolicyGate:
                                      resolver=self.resolver, scheme=scheme, method=method, path=path)
         return v.decision, v.refusal
 
+    def explicit_identity(self, proxy_authorization: str | None, source_ip: str) -> tuple[Identity | None, str]:
+        """Who a Proxy-Authorization sent from `source_ip` names, and the 407's reason when that is
+        None. Every explicit authentication (CONNECT, absolute-form, both data paths) asks here."""
+        reason = "proxy_auth_missing" if proxy_authorization is None else "proxy_auth_invalid"
+        ident = None if proxy_authorization is None else self.identities.authenticate_header(proxy_authorization)
+        if ident is not None and self.sandbox_addresses is not None and not accepted_from(
+                self.sandbox_addresses.address_of(ident.sandbox_id), source_ip):
+            ident, reason = None, "proxy_auth_wrong_source"   # a sandbox's token from elsewhere
+        return ident, reason
+
     # ------------------------------------------------------------- connection
     def client_connected(self, client: connection.Client) -> None:
         st = ConnState(
@@ -549,9 +561,9 @@ class PolicyGate:
             return
         self._disarm_head_timer(st)
         t0 = time.perf_counter()
-        st.identity = self.identities.authenticate_header(flow.request.headers.get("Proxy-Authorization"))
+        st.identity, reason = self.explicit_identity(flow.request.headers.get("Proxy-Authorization"),
+                                                     flow.client_conn.peername[0])
         if st.identity is None:
-            reason = "proxy_auth_missing" if "Proxy-Authorization" not in flow.request.headers else "proxy_auth_invalid"
             st.kind, st.denied_reason = "denied", reason
             self._audit_refusal("decision", st, decision="deny", reason=reason, method="CONNECT",
                                 status=407, extra={"target": f"{flow.request.host}:{flow.request.port}"})
@@ -719,11 +731,10 @@ class PolicyGate:
                     scheme=scheme, method=flow.request.method, path=flow.request.path, is_ip_literal=st.ip_literal))
         elif refusal is None:
             # Plain proxy request in absolute form: authenticate every request.
-            ident = st.identity if st.transparent else self.identities.authenticate_header(
-                flow.request.headers.get("Proxy-Authorization"))
+            ident, reason = (st.identity, "unknown_source") if st.transparent else self.explicit_identity(
+                flow.request.headers.get("Proxy-Authorization"), flow.client_conn.peername[0])
             if ident is None:
-                refusal = Refusal(407, "proxy_auth_missing" if "Proxy-Authorization" not in flow.request.headers
-                                  else "proxy_auth_invalid", "send Proxy-Authorization")
+                refusal = Refusal(407, reason, "send Proxy-Authorization")
             elif not self._claim_connection(st, ident):
                 refusal = Refusal(429, "sandbox_connection_limit",
                                   f"sandbox already holds {self.max_connections_per_sandbox} connections")
@@ -1170,9 +1181,10 @@ class PolicyGate:
             return False
         sandbox = st.identity.sandbox_id if st.identity else ""
         kept, denied = keep_undenied(self.policies.current, sandbox, st.decision, addresses, port)
-        if denied is not None:
+        if denied is not None:   # answered as the fast path answers it: 403, its reason (not a 502)
             self._connect_refusals[server.id] = denied.reason
-            server.error = f"cubegate: {host} resolves only into a denied range ({denied.rule}): {denied.reason}"
+            refusal = records.policy_refusal(denied)
+            server.error = mitm_internals.connect_refusal(refusal.status, refusal.reason, refusal.detail)
             return False
         server.address = (kept[0][1], port)
         return True
@@ -1241,14 +1253,15 @@ class PolicyGate:
             return
         err = data.server.error or "connect failed"
         reason = "upstream_blocked" if "blocked destination" in err else "upstream_connect_failed"
-        reason = self._connect_refusals.pop(data.server.id, reason)
+        refused = self._connect_refusals.pop(data.server.id, None)   # a policy deny at connect time: 403
+        reason = refused or reason
         if err == _UPSTREAM_LIMIT:
             reason = "sandbox_connection_limit"
         if timed_out:
             reason, err = "upstream_connect_timeout", f"no TCP connection within {self.connect_timeout}s"
         st.denied_reason = st.denied_reason or reason
         self._audit("decision", st, decision="deny", reason=reason, extra={"error": err[:300]},
-                    status=502 if reason.startswith("upstream_") else None)
+                    status=403 if refused else 502 if reason.startswith("upstream_") else None)
         self._count(st, "deny", reason, "upstream")
 
 

@@ -11,6 +11,10 @@ the cache is dropped whenever the database changes, ours or another process's
 no SQL: data_version is asked only when the WAL-index header (walmark) moved, or every
 time when that mark cannot be read.
 Failures are never cached (a sandbox cannot fill memory with wrong tokens).
+
+A sandbox's token is accepted only from that sandbox's address when the switch gave it one
+(`accepted_from`): a token taken out of one sandbox opens nothing from another sandbox or host.
+Identities of no sandbox (`identity add` for an agent outside the switch) work from anywhere.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import ipaddress
 import json
 import re
 import secrets
@@ -26,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Protocol
 
 from walmark import WalChangeMark
 
@@ -67,6 +72,29 @@ def parse_proxy_authorization(value: str | None) -> tuple[str, str] | None:
     if not sep or not user or not token:
         return None
     return user, token
+
+
+class SandboxAddresses(Protocol):
+    """The switch's record (cubevs registry): the address it gave a sandbox, None for no sandbox."""
+
+    def address_of(self, sandbox_id: str) -> str | None: ...
+
+
+def _canonical_ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        addr = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    return (addr.ipv4_mapped or addr) if isinstance(addr, ipaddress.IPv6Address) else addr
+
+
+def accepted_from(bound: str | None, source: str) -> bool:
+    """May a token whose sandbox has address `bound` (None: no sandbox) be used from `source`?
+    A dual-stack listener's ::ffff:a.b.c.d is a.b.c.d; an unreadable address is refused."""
+    if bound is None:
+        return True
+    want = _canonical_ip(bound)
+    return want is not None and want == _canonical_ip(source)
 
 
 class IdentityStore:
@@ -125,9 +153,16 @@ class IdentityStore:
             self._writes += 1
         return cur.rowcount > 0
 
-    def generation(self) -> tuple[int, int]:
-        """Changes whenever the table may have (any process's commit, or ours): a cheap poll."""
+    def forget_cached(self) -> None:
+        """The table could not be read: no authentication is answered from memory until it is again."""
         with self._lock:
+            self._cache.clear()
+
+    def generation(self) -> tuple[int, int]:
+        """Changes whenever the table may have (any process's commit, or ours): a cheap poll, which
+        raises when the table cannot be read (one row is read: a lost table or page is seen at once)."""
+        with self._lock:
+            self._db.execute("SELECT 1 FROM identities LIMIT 1").fetchall()
             return self._db.execute("PRAGMA data_version").fetchone()[0], self._writes
 
     def get(self, sandbox_id: str) -> Identity | None:

@@ -96,15 +96,36 @@ _ERROR_MODULES = (_http1, _http2, _http3)
 _RELAY_FAILED = "the connection could not be relayed (protocol error, upstream failure or refusal; see the audit log)"
 
 
+# A server_connect refusal of ours (a policy deny found at connect time) as the server's error:
+# mitmproxy answers the request with it instead of its 502 (nothing else starts with this).
+_CONNECT_REFUSED = "cubegate refused the upstream connection: "
+
+
+def connect_refusal(status: int, reason: str, detail: str) -> str:
+    """The `server.error` whose answer to the sandbox is this refusal (status, X-Cubegate-Reason, page)."""
+    return f"{_CONNECT_REFUSED}{status} {reason} {detail}"
+
+
+def _answer_for(status_code: int, message: str) -> tuple[int, str, str]:
+    """(status, reason, detail) mitmproxy's error answer is sent as: our connect refusal (which
+    mitmproxy's server passes on as "Connection killed: <server.error>"), else relay_failed."""
+    for prefix in (_CONNECT_REFUSED, "Connection killed: " + _CONNECT_REFUSED):
+        if message.startswith(prefix):
+            status, reason, detail = message[len(prefix):].split(" ", 2)
+            return int(status), reason, detail
+    reason = "relay_failed"   # mitmproxy's own failures: protocol errors, upstream failures
+    return status_code, reason, _RELAY_FAILED
+
+
 def _format_error(status_code: int, message: str) -> bytes:
     """The body of an HTTP/2 or HTTP/3 error answer (mitmproxy writes its headers)."""
     from egress import records
-    return records.deny_body(status_code, "relay_failed", _RELAY_FAILED)
+    return records.deny_body(*_answer_for(status_code, message))
 
 
 def _make_error_response(status_code: int, message: str = "") -> bytes:
     """A whole HTTP/1 error answer: the same bytes as every other refusal."""
-    return _refusal_bytes(status_code, reason="relay_failed", detail=_RELAY_FAILED)
+    return _refusal_bytes(*_answer_for(status_code, message))
 
 
 def install_safe_error_pages() -> None:
@@ -120,11 +141,11 @@ def safe_error_pages_installed() -> bool:
         and getattr(_http2.Http2Connection._handle_event, "_cubegate", False)
 
 
-def _h2_error_head(status: int, body_len: int) -> list[tuple[bytes, bytes]]:
+def _h2_error_head(status: int, reason: str, body_len: int) -> list[tuple[bytes, bytes]]:
     """The head of an HTTP/2 error answer: the deny shape's headers (egress.records), without
     the ones HTTP/2 forbids (Connection), instead of mitmproxy's Server and text/html."""
     from egress import records
-    fields = [(k.encode(), v.encode()) for k, v in records.deny_headers("relay_failed").items()]
+    fields = [(k.encode(), v.encode()) for k, v in records.deny_headers(reason).items()]
     return _http2.normalize_h1_headers([(b":status", b"%d" % status), *fields,
                                         (b"content-length", b"%d" % body_len)], False)
 
@@ -147,8 +168,9 @@ def _install_h2_error_head() -> None:
                 and not self.h2_conn.streams[event.stream_id].state_machine.headers_sent:
             status = event.code.http_status_code()
             if status is not None:
+                status, reason, _ = _answer_for(status, event.message)
                 body = _format_error(status, event.message)
-                self.h2_conn.send_headers(event.stream_id, _h2_error_head(status, len(body)))
+                self.h2_conn.send_headers(event.stream_id, _h2_error_head(status, reason, len(body)))
                 self.h2_conn.send_data(event.stream_id, body, end_stream=True)
                 yield SendData(self.conn, self.h2_conn.data_to_send())
                 return

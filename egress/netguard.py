@@ -67,6 +67,7 @@ __all__ = [
     "DestinationBlocked",
     "DestinationUnresolvable",
     "GuardedResolver",
+    "embedded_ipv4",
     "expand_wildcard_endpoints",
     "install",
     "local_addresses",
@@ -148,6 +149,8 @@ _MAPPED = ipaddress.ip_network("::ffff:0:0/96")
 _TRANSLATED = ipaddress.ip_network("::ffff:0:0:0/96")
 _NAT64 = _nets("64:ff9b::/96", "64:ff9b:1::/48")
 _SIX_TO_FOUR = ipaddress.ip_network("2002::/16")
+_TEREDO = ipaddress.ip_network("2001::/32")
+_COMPATIBLE = ipaddress.ip_network("::/96")     # ::a.b.c.d, deprecated (RFC 4291)
 _GLOBAL_UNICAST_V6 = ipaddress.ip_network("2000::/3")
 
 _IPV6_DENY: tuple[tuple[str, tuple[Network, ...]], ...] = (
@@ -198,7 +201,8 @@ class AddressGuard:
       1. ``own_endpoints`` -> ``own_listener`` (never exempt: proxy loops)
       2. ``extra_deny_cidrs`` -> ``denied_cidr`` (operator denies beat exemptions)
       3. ``allow_cidrs`` -> allowed (exempts exactly the addresses it names)
-      4. IPv6 forms embedding IPv4 (mapped, translated, NAT64, 6to4): the
+      4. IPv6 forms embedding IPv4 (mapped, translated, NAT64, 6to4, Teredo,
+         IPv4-compatible; ``embedded_ipv4``): the
          embedded address's reason if it has one, else the form's own reason
       5. the special-purpose table; any IPv6 outside 2000::/3 is ``reserved``
 
@@ -248,6 +252,15 @@ class AddressGuard:
         return _default_reason(address)
 
 
+def embedded_ipv4(address: IPAddress) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 form carries (mapped, translated, NAT64, 6to4, Teredo's client,
+    IPv4-compatible), else None: the one unwrapping, for this guard and for policy deny CIDRs."""
+    if address.version != 6:
+        return None
+    found = _embedded_ipv4(address)
+    return found[1] if found is not None else None
+
+
 def _embedded_ipv4(address: ipaddress.IPv6Address) -> tuple[str | None, ipaddress.IPv4Address] | None:
     """(reason of the IPv6 form, embedded IPv4) for forms that carry one."""
     low32 = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
@@ -261,6 +274,12 @@ def _embedded_ipv4(address: ipaddress.IPv6Address) -> tuple[str | None, ipaddres
         # 2002:WWXX:YYZZ::/48 routes to the 6to4 relay WW.XX.YY.ZZ: refuse it
         # when that IPv4 is refused, otherwise it is ordinary global unicast.
         return None, ipaddress.IPv4Address((int(address) >> 80) & 0xFFFFFFFF)
+    if address in _TEREDO:
+        # 2001:0:SSSS:SSSS:FFFF:PPPP:CCCC:CCCC reaches the client at CCCC:CCCC, bits inverted;
+        # reserved in itself (2001::/23) whatever it carries
+        return "reserved", ipaddress.IPv4Address(~int(address) & 0xFFFFFFFF)
+    if address in _COMPATIBLE and int(low32) >= 1 << 24:   # not ::, ::1 nor the rest of ::0.0.0.0/8
+        return "reserved", low32
     return None
 
 

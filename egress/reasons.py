@@ -60,6 +60,8 @@ _ALL = (
     # ---- gateway: identity and connection
     Reason("proxy_auth_missing", "gateway", "deny", (407,), "explicit proxy: no Proxy-Authorization"),
     Reason("proxy_auth_invalid", "gateway", "deny", (407,), "explicit proxy: Proxy-Authorization names no identity"),
+    Reason("proxy_auth_wrong_source", "gateway", "deny", (407,),
+           "explicit proxy: a sandbox's token sent from an address other than that sandbox's"),
     Reason("unknown_source", "gateway", "deny", (), "transparent: the source address is no sandbox's"),
     Reason("not_steered", "gateway", "deny", (), "transparent: a port the switch does not steer (not 80/443)"),
     Reason("sandbox_connection_limit", "gateway", "deny", (429,), "the sandbox holds its limit of connections"),

@@ -77,6 +77,13 @@ def identity_changed(current: Callable[[OpenConnection], "Identity | None"]) -> 
     return check
 
 
+def identity_unverifiable(conn: OpenConnection) -> str | None:
+    """While the identity store cannot be read, no token can be checked: every explicit connection
+    is closed (a removal or re-key in that time would go unseen). A transparent one is identified
+    by its address (the switch's registry), not by the store."""
+    return None if conn.transparent else "identity_store_unreadable"
+
+
 class Registered:
     """Connections of other data paths: conn_id → (what, how to close it)."""
 

@@ -8,6 +8,8 @@ Bodies: vault/api_models.py (validation and the OpenAPI document).
 from __future__ import annotations
 
 import asyncio
+import logging
+
 import tornado.web
 from httpkit import ApiError, AuditHook, JsonHandler, PathParam, Server, check_bind_address, openapi_handler, operation
 from httpkit import bearer_admit, make_app as build_app, serve as serve_app
@@ -22,6 +24,11 @@ from .tokens import TokenInfo, TokenStore
 __all__ = ["DEFAULT_PORT", "MAX_BODY", "ROUTES", "AdminServer", "check_bind_address", "make_app", "serve"]
 DEFAULT_PORT = 8474
 MAX_BODY = 1024 * 1024
+# Every failure to use a key file is this one answer: what failed (missing, not a regular file,
+# its mode, its size, not this vault's key) would tell a token holder what exists on the host.
+KEY_FILE_UNUSABLE = ("the key file cannot be used: it must be a regular file (mode 0600) holding this vault's "
+                     "master key; the server's log says what failed")
+log = logging.getLogger("vault.api")
 AdminServer = Server
 _ADMIN = (403,)   # what every write may answer besides 400/401
 
@@ -160,13 +167,17 @@ class UnsealHandler(_Base):
     @operation("Unseal with a key file on the server or a passphrase", body=m.Unseal, reply=m.Status,
                errors=_ADMIN)
     async def post(self, body: m.Unseal) -> None:
+        loop = asyncio.get_running_loop()
         if body.key_file is not None:
-            fn, arg = self.vault.unseal_with_key_file, body.key_file
-        elif body.passphrase is not None:
-            fn, arg = self.vault.unseal_with_passphrase, body.passphrase.get_secret_value()
+            try:
+                await loop.run_in_executor(None, self.vault.unseal_with_key_file, body.key_file)
+            except (KeyFileError, WrongMasterKey, OSError) as e:
+                log.warning("unseal with a key file failed: %s: %s", type(e).__name__, e)   # a path, never a key
+                raise ApiError(400, "key_error", KEY_FILE_UNUSABLE) from None
+        elif body.passphrase is not None:   # scrypt takes ~0.1 s
+            await loop.run_in_executor(None, self.vault.unseal_with_passphrase, body.passphrase.get_secret_value())
         else:
             raise ApiError(400, "invalid", "give 'key_file' (server path) or 'passphrase'")
-        await asyncio.get_running_loop().run_in_executor(None, fn, arg)  # scrypt takes ~0.1 s
         self.reply(200, self.vault.status())
 
 

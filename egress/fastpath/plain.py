@@ -562,9 +562,10 @@ class PlainConn(asyncio.Protocol):
         values = head.get_all(b"proxy-authorization")
         if not values:
             return Refusal(407, "proxy_auth_missing", "send Proxy-Authorization")
-        ident = gate.identities.authenticate_header(values[0].decode("latin-1")) if len(values) == 1 else None
+        ident, reason = gate.explicit_identity(values[0].decode("latin-1"), self.c.peer[0]) if len(values) == 1 \
+            else (None, "proxy_auth_invalid")
         if ident is None:
-            return Refusal(407, "proxy_auth_invalid", "send Proxy-Authorization")
+            return Refusal(407, reason, "send Proxy-Authorization")
         if not gate.claims.claim(st, ident):
             return Refusal(429, "sandbox_connection_limit",
                            f"sandbox already holds {gate.max_connections_per_sandbox} connections")

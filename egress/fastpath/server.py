@@ -281,9 +281,10 @@ class FastPath:
             self._hand_over(c)           # a head we do not parse (or plain HTTP with fast_plain_http off)
             return
         t0 = time.perf_counter()
-        ident = gate.identities.authenticate_header(connect.proxy_authorization)
+        auth = connect.proxy_authorization   # two of them: none to use, yet not missing (refused as invalid)
+        ident, reason = gate.explicit_identity("" if auth is None and connect.has_proxy_authorization else auth,
+                                               c.peer[0])
         if ident is None:
-            reason = "proxy_auth_invalid" if connect.has_proxy_authorization else "proxy_auth_missing"
             self._refuse_http(c, Refusal(407, reason, "send Proxy-Authorization: Basic base64(sandbox_id:token)"),
                               stage="connect", extra_headers={"Proxy-Authenticate": 'Basic realm="cubegate"'},
                               method="CONNECT", extra={"target": f"{connect.host}:{connect.port}"})

@@ -19,6 +19,7 @@ from .hosts import (
     IPAddress,
     normalize_host_addr,
     normalize_path,
+    deny_views,
     parse_host_pattern,
     parse_ip,
     path_prefix_matches,
@@ -219,6 +220,12 @@ class CompiledPolicy:
         """(reason-if-no-rule, outcome) for a canonical host. Unknown fields are None."""
         if addr is not None:
             out = _pick(self._cidrs.lookup(addr), True, port, scheme, method, path)
+            for view in deny_views(addr)[1:]:   # the IPv4 address an IPv6 form carries: its deny rules hold
+                inner = _pick(self._cidrs.lookup(view), False, port, scheme, method, path)   # rules only
+                if inner.deny:
+                    return "ip_literal_not_allowed", inner
+                if inner.inspect and not out.deny:   # a deny of the IPv4 may match once the request is known
+                    out = _Outcome(out.deny, out.rule, True)
             return "ip_literal_not_allowed", out
         cands = _trie_lookup(self._root, host)
         if self._anyhost:
@@ -305,7 +312,7 @@ class CompiledPolicySet:
     # -- decisions ---------------------------------------------------------
     def _globally_denied(self, host: str, addr: IPAddress | None) -> bool:
         if addr is not None:
-            return bool(self._global_cidrs.lookup(addr))
+            return any(self._global_cidrs.lookup(a) for a in deny_views(addr))
         return bool(_trie_lookup(self._global_root, host))
 
     def decide(self, req: RequestInfo) -> Decision:
@@ -361,8 +368,11 @@ class CompiledPolicySet:
         addr = parse_ip(ip)
         if addr is None:
             return reason, None   # not an address we can read: fail closed
-        hits = self._global_cidrs.lookup(addr)
-        return (reason, str(hits[0][1])) if hits else None
+        for view in deny_views(addr):
+            hits = self._global_cidrs.lookup(view)
+            if hits:
+                return reason, str(hits[0][1])
+        return None
 
     def name_may_resolve(self, sandbox_id: str, labels: Mapping[str, str], name: str) -> bool:
         """For the DNS resolver: could any request to ``name`` (any port, method,

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 
 from .compiled import CompiledPolicySet
 from .grants import GrantIndex
-from .hosts import InvalidHost, normalize_host_addr, parse_ip
+from .hosts import InvalidHost, deny_views, normalize_host_addr, parse_ip
 from .model import ALLOW, DENY, Decision, RequestInfo
 from .network import SandboxNetwork
 
@@ -99,9 +99,9 @@ class EffectivePolicy:
         net = self.networks.get(sandbox_id)
         if denial is not None or net is None:
             return denial
-        addr = parse_ip(ip)
+        addr = parse_ip(ip)    # readable: the base refused an unreadable one
         for e in net.deny:
-            if e.net is not None and e.matches("", addr, port):
+            if e.net is not None and any(e.matches("", view, port) for view in deny_views(addr)):
                 reason = "resolved_sandbox_network_deny"
                 return reason, e.text
         return None

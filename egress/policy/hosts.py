@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import idna
 
+from egress.netguard import embedded_ipv4
+
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 _LABEL = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?$")
@@ -51,6 +53,14 @@ def parse_ip(text: str) -> IPAddress | None:
 
 
 _MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
+
+
+def deny_views(addr: IPAddress) -> tuple[IPAddress, ...]:
+    """The spellings a deny CIDR is matched against: the address, and the IPv4 address an IPv6
+    form carries (6to4, NAT64, Teredo, IPv4-compatible: netguard's one unwrapping), so a deny of
+    203.0.113.0/24 also denies 2002:cb00:7101::1. Allows match the address as written only."""
+    v4 = embedded_ipv4(addr)
+    return (addr,) if v4 is None else (addr, v4)
 
 
 def parse_cidr(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:

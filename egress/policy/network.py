@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import ErrorItem, PolicyError
-from .hosts import HostPattern, InvalidHost, IPAddress, parse_cidr, parse_host_pattern
+from .hosts import HostPattern, InvalidHost, IPAddress, deny_views, parse_cidr, parse_host_pattern
 from .model import IPNetwork
 
 MAX_ENTRIES = 256
@@ -64,8 +64,9 @@ class SandboxNetwork:
 
     def verdict(self, host: str, addr: IPAddress | None, port: int) -> tuple[str, str] | None:
         """None when this destination may pass; else (reason, entry text) of the narrowing denial."""
+        views = deny_views(addr) if addr is not None else (None,)
         for e in self.deny:
-            if e.matches(host, addr, port):
+            if any(e.matches(host, view, port) for view in views):
                 return "sandbox_network_deny", e.text
         if self.allow and not any(e.matches(host, addr, port) for e in self.allow):
             return "sandbox_network_not_allowed", None

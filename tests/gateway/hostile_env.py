@@ -275,8 +275,18 @@ class Sandbox:
         self.auth = rawclient.auth_header(sandbox, gw.tokens[sandbox])
 
     @property
+    def _own_netns(self) -> bool:
+        """The attached sandbox's token works only from its own address (explicit mode too); SECOND
+        is an identity of no sandbox, used from the gateway's namespace."""
+        return self.mode == "transparent" or self.sandbox == self.env.net.sandbox_id
+
+    @property
     def ns(self) -> str:
-        return self.env.gw.lab.gw_ns if self.mode == "explicit" else self.env.net.netns
+        return self.env.net.netns if self._own_netns else self.env.gw.lab.gw_ns
+
+    @property
+    def proxy_addr(self) -> tuple[str, int]:
+        return (HUB_IP if self._own_netns else "127.0.0.1"), self.env.gw.proxy_port
 
     def connect(self, addr: tuple[str, int], timeout: float = TIMEOUT) -> socket.socket:
         """A TCP socket created (and connected) inside the sandbox's namespace."""
@@ -285,7 +295,7 @@ class Sandbox:
     def tls(self, host: str, *, port: int = 443, alpn: tuple[str, ...] = ("http/1.1",),
             sni: str | None = None) -> ssl.SSLSocket:
         if self.mode == "explicit":
-            s = self.connect(("127.0.0.1", self.env.gw.proxy_port))
+            s = self.connect(self.proxy_addr)
             s.sendall(f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n{self.auth}\r\n\r\n".encode())
             head = rawclient.read_head(s)
             if rawclient.connect_status(head) != 200:
@@ -301,7 +311,7 @@ class Sandbox:
 
     def plain(self, host: str, port: int = 80) -> socket.socket:
         if self.mode == "explicit":
-            return self.connect(("127.0.0.1", self.env.gw.proxy_port))
+            return self.connect(self.proxy_addr)
         return self.connect((HOSTILE_HOSTS.get(host, host), port))
 
     def request_bytes(self, scheme: str, host: str, path: str, *, method: str = "GET",

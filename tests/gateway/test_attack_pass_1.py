@@ -405,7 +405,8 @@ def test_outbound_neighbours_that_held(env):
 def test_request_head_is_bounded_before_it_is_complete(env):
     """mitmproxy buffers a request head until its blank line (its own FIXME); header limits
     run only at requestheaders. A sandbox streams one endless header line."""
-    sock = env.sandbox("explicit").connect(("127.0.0.1", env.gw.proxy_port))
+    sb = env.sandbox("explicit")
+    sock = sb.connect(sb.proxy_addr)
     sent, cut = 0, False
     block = b"a" * MIB
     try:

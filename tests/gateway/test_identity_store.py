@@ -48,3 +48,40 @@ def test_shared_files_are_wal_and_fully_synchronous(tmp_path):
     assert db.execute("PRAGMA synchronous").fetchone()[0] == 2      # FULL
     assert db.isolation_level is None
     db.close()
+
+
+@pytest.mark.parametrize("bound, source, ok", [
+    (None, "203.0.113.9", True),                  # an identity of no sandbox: from anywhere
+    ("10.200.0.5", "10.200.0.5", True),
+    ("10.200.0.5", "::ffff:10.200.0.5", True),    # a dual-stack listener's spelling
+    ("10.200.0.5", "10.200.0.6", False),          # another sandbox
+    ("10.200.0.5", "127.0.0.1", False),           # the host
+    ("10.200.0.5", "not-an-address", False),
+    ("garbage", "10.200.0.5", False),             # an unreadable record: refused (fail closed)
+])
+def test_a_sandbox_token_is_accepted_from_its_address_only(bound, source, ok):
+    from egress.identity import accepted_from
+    assert accepted_from(bound, source) is ok
+
+
+def test_a_lost_table_is_seen_by_the_poll_and_no_hit_is_served_from_memory_after(tmp_path):
+    """generation() reads a row (a renamed or lost table raises there, not only in list()); once the
+    follow-up forgot the cache, an authentication asks the store again (and fails closed)."""
+    import sqlite3
+    store = IdentityStore(tmp_path / "ids.db")
+    token = store.add("sb-1")
+    assert store.authenticate("sb-1", token) is not None      # cached now
+    db = sqlite3.connect(tmp_path / "ids.db")
+    db.execute("ALTER TABLE identities RENAME TO gone")
+    db.commit()
+    with pytest.raises(sqlite3.OperationalError):
+        store.generation()
+    store.forget_cached()
+    with pytest.raises(sqlite3.OperationalError):
+        store.authenticate("sb-1", token)
+    db.execute("ALTER TABLE gone RENAME TO identities")
+    db.commit()
+    db.close()
+    store.generation()
+    assert store.authenticate("sb-1", token) is not None
+    store.close()
