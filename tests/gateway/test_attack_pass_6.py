@@ -119,7 +119,7 @@ def _raw_tunnel(sb: he.Sandbox, host: str) -> socket.socket:
     """A TCP connection that reaches `host`:443 through the gateway, before any TLS byte."""
     if sb.mode == "transparent":
         return sb.connect((he.HOSTILE_HOSTS[host], 443))
-    s = sb.connect(("127.0.0.1", sb.env.gw.proxy_port))
+    s = sb.connect(sb.proxy_addr)
     s.sendall(f"CONNECT {host}:443 HTTP/1.1\r\nHost: {host}:443\r\n{sb.auth}\r\n\r\n".encode())
     assert rawclient.connect_status(rawclient.read_head(s)) == 200
     return s
