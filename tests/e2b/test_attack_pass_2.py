@@ -69,8 +69,11 @@ def test_stuck_cells_of_one_sandbox_do_not_stall_the_e2b_api(e2b, lab):
     def scenario():
         with httpx.Client(timeout=60) as c:
             sid, tok = _create(c, key, "code-interpreter-v1", timeout=120)
-            release = time.time() + 14     # the cells end by themselves then (clean-up, not part of the attack)
-            code = f"import time\nwhile time.time() < {release}:\n    time.sleep(0.05)\n"
+            # the cells end when the test says so (a file appears in the sandbox), at the latest by
+            # themselves at `release` (clean-up, not part of the attack)
+            release, go = time.time() + 14, "/tmp/.stuck-cells-may-end"
+            code = (f"import os, time\nwhile time.time() < {release} and not os.path.exists({go!r}):\n"
+                    "    time.sleep(0.05)\n")
 
             async def stuck(n: int) -> list[str]:
                 async with httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=5.0)) as ac:
@@ -88,13 +91,18 @@ def test_stuck_cells_of_one_sandbox_do_not_stall_the_e2b_api(e2b, lab):
             except httpx.TimeoutException:
                 status = None
             waited = time.monotonic() - t0
-            while time.time() < release + 1:
+            stuck_throughout = time.time() < release     # the list was asked while the cells still ran
+            ended = c.post(f"http://127.0.0.1:{API_PORT}/v1/sandboxes/{sid}/exec", headers={"Authorization": f"Bearer {key}"},
+                           json={"argv": ["touch", go], "timeout": 10}, timeout=30).status_code == 200
+            end_by = (time.time() + 1) if ended else (release + 1)
+            while time.time() < end_by:
                 time.sleep(0.2)
             c.delete(f"{BASE}/sandboxes/{sid}", headers={"X-API-Key": key}, timeout=60)
-            return outcomes, status, waited
-    outcomes, status, waited = _in_gw(lab, scenario, timeout=120)
+            return outcomes, status, waited, stuck_throughout
+    outcomes, status, waited, stuck_throughout = _in_gw(lab, scenario, timeout=120)
     summary = {o: outcomes.count(o) for o in set(outcomes)}
     assert status == 200 and waited < 5, f"list of sandboxes: status {status} after {waited:.1f}s; cells: {summary}"
+    assert stuck_throughout, "the cells had ended before the list was answered: nothing was proven"
 
 
 def test_run_code_keeps_working_after_16_mib_of_kernel_output(e2b, lab):

@@ -96,11 +96,15 @@ def test_held_a_sandbox_reaches_none_of_the_daemons_apis(e2b, lab):
         control = f"{HUB_IP}/{e2b.proxy_port}"      # the explicit proxy: the switch lets it through
         probe = " ".join([control, *(f"{a}/{p}" for a in addrs for p in ports), f"::1/{API_PORT}",
                           f"fe80::1/{API_PORT}"])
-        script = (f"for t in {probe}; do a=${{t%/*}}; p=${{t##*/}}; "
-                  "if timeout 1 bash -c \"exec 3<>/dev/tcp/$a/$p\" 2>/dev/null; then echo OPEN $t; fi; done; "
-                  "echo done")
+        # the probes run at once (each a connect bounded by 1 s), and every one must report: a probe
+        # that never ran (a failed fork) cannot pass for a closed port
+        script = (f"for t in {probe}; do (a=${{t%/*}}; p=${{t##*/}}; "
+                  "if timeout 1 bash -c \"exec 3<>/dev/tcp/$a/$p\" 2>/dev/null; then echo OPEN $t; "
+                  "else echo SHUT $t; fi) & done; wait; echo done")
         rc, out = sandbox_sh(lab, e2b, sid, script, timeout=120)
         assert rc == 0 and out.strip().endswith("done"), out
+        reported = sorted(line.split()[1] for line in out.splitlines() if line.startswith(("OPEN ", "SHUT ")))
+        assert reported == sorted(probe.split()), out
         assert out.count("OPEN") == 1 and f"OPEN {control}" in out, out
     finally:
         runtime_api(lab, e2b, API_PORT, "DELETE", f"/sandboxes/{sid}")

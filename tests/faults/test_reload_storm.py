@@ -54,7 +54,7 @@ EXPECTED = {  # (policy, host) -> decision
     ("storm-b", "echo.allowed.test"): "allow",
 }
 HOSTS = ["api.allowed.test", "passthrough.allowed.test", "echo.allowed.test"]
-REWRITES = 160
+REWRITES = 80     # with the poller's settling taken out, 80 caught half-loaded decisions in 3 of 3 runs
 
 
 def _write_in_place(path, text: str) -> None:

@@ -101,10 +101,11 @@ def test_heads_that_arrive_whole_are_served_on_a_kept_alive_connection(hgw, lab)
         heads = []
         with ctx.wrap_socket(s, server_hostname="echo.allowed.test") as tls:
             for i in range(3):               # more than header_timeout of idle keep-alive between them
+                if i:
+                    time.sleep(HEADER_TIMEOUT + 0.5)
                 tls.sendall(b"GET /n%d HTTP/1.1\r\nHost: echo.allowed.test\r\n\r\n" % i)
                 heads.append(rawclient.read_head(tls))
                 rawclient.recv_all(tls, 0.3)
-                time.sleep(HEADER_TIMEOUT + 0.5)
         return heads
 
     heads = lab.call_gw(run, timeout=60)

@@ -23,13 +23,29 @@ pytestmark = [pytest.mark.netns,
 HELD = 16      # tunnels held at once: all on one worker of two has odds 2 * 2**-16
 
 
-@pytest.fixture
-def wgw(lab, tmp_path):
-    g = Gateway(lab, tmp_path / "wgw", {"main.yaml": MAIN},
+def _two_worker_gateway(lab, workdir):
+    g = Gateway(lab, workdir, {"main.yaml": MAIN},
                 settings_extra={"proxy": {"workers": 2, "drain_seconds": 3, "max_connections_per_sandbox": HELD},
                                 "policy_poll_seconds": 3600})   # only SIGHUP and the daemon's word
     g.policy_api_port = g.proxy_port + 3
     g.start()
+    return g
+
+
+@pytest.fixture
+def wgw(lab, tmp_path):
+    """A gateway of its own: for tests that change its policy."""
+    g = _two_worker_gateway(lab, tmp_path / "wgw")
+    yield g
+    g.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_wgw(lab, tmp_path_factory):
+    """One gateway for the tests that leave its policy as it was: the metrics sum (counts relative
+    to before), then the dead worker (the module's only worker restart), then the rolling restart
+    (last: it replaces every process)."""
+    g = _two_worker_gateway(lab, tmp_path_factory.mktemp("wgw"))
     yield g
     g.stop()
 
@@ -108,7 +124,8 @@ def test_both_workers_serve_one_port_share_the_cap_and_a_policy_change_revokes_i
     assert wgw.curl("https://passthrough.allowed.test/").connect_status == 403   # in whichever worker
 
 
-def test_metrics_are_the_sum_over_the_workers(wgw):
+def test_metrics_are_the_sum_over_the_workers(shared_wgw):
+    wgw = shared_wgw
     before = _metric(wgw, "cubegate_decisions_total", reason="default_deny", stage="connect")
     for _ in range(20):
         s, head = wgw.lab.call_gw(rawclient.connect_tunnel, wgw.proxy_port, "denied.test:443", _auth(wgw))
@@ -142,7 +159,8 @@ def test_sighup_reaches_every_worker(wgw):
     assert wgw.curl("https://passthrough.allowed.test/").connect_status == 403
 
 
-def test_a_dead_worker_is_replaced_at_once_and_readyz_fails_meanwhile(wgw):
+def test_a_dead_worker_is_replaced_at_once_and_readyz_fails_meanwhile(shared_wgw):
+    wgw = shared_wgw
     pids = _workers(wgw)
     os.kill(pids[0], signal.SIGKILL)
     seen_503 = eventually(lambda: wgw.ops_status("/readyz")[0] == 503, timeout=10, interval=0.02)  # returns when seen
@@ -154,8 +172,9 @@ def test_a_dead_worker_is_replaced_at_once_and_readyz_fails_meanwhile(wgw):
     assert wgw.curl("https://passthrough.allowed.test/").status == 200
 
 
-def test_rolling_restart_refuses_no_connection(wgw):
+def test_rolling_restart_refuses_no_connection(shared_wgw):
     """SIGUSR2 under a bounded connect loop: every connect answered, none refused or reset."""
+    wgw = shared_wgw
     pids = _workers(wgw)
 
     def load():
