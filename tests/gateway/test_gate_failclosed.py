@@ -175,6 +175,16 @@ async def case_websocket_message(p, monkeypatch, tctx):
     return p.gate.conns[client.id]
 
 
+async def case_websocket_end(p, monkeypatch, tctx):
+    from egress import mitm_internals
+    client, _ = await tunnel(p, tctx, "api.allowed.test")
+    f = tflow.twebsocketflow()
+    f.client_conn = client
+    breaks(mitm_internals, "websocket_message_refused", monkeypatch)   # was a message too large? unknown
+    p.gate.websocket_end(f)
+    return p.gate.conns[client.id]
+
+
 async def case_next_layer(p, monkeypatch, tctx):
     client = connected(p, transparent=True)
     st = p.gate.conns[client.id]
