@@ -137,15 +137,7 @@ def test_a_clone_of_a_layer_holding_a_huge_sparse_file_starts_and_gets_its_own_p
 
 # ------------------------------------------------------------------ snapshot vs. pause, destroy, rollback
 
-class _Switch:
-    def counters(self):
-        return {}
-
-    def detach_sandbox(self, sid):
-        pass
-
-    def sandbox(self, sid):
-        return None
+from tests.sandbox_runtime.test_auto_pause_races import _Switch  # noqa: E402 - one switch double
 
 
 class _FreezingBackend:
