@@ -44,7 +44,18 @@ _VERSIONS = (b"HTTP/1.1", b"HTTP/1.0")
 _FRAMING = (b"content-length", b"transfer-encoding")   # a CONNECT with a body: not ours to interpret
 
 
+_MEMO_HEAD_BYTES = 1024     # heads up to this long are remembered: at most 1024 x 1 KiB
+
+
 def parse_connect(head: bytes, max_headers: int = 100) -> ConnectHead | None:
+    """_parse_connect, remembered for short heads: a sandbox's retries send the same bytes
+    (pure and its result immutable, so a remembered answer is the same answer)."""
+    if len(head) <= _MEMO_HEAD_BYTES:
+        return _parse_connect_memo(head, max_headers)
+    return _parse_connect(head, max_headers)
+
+
+def _parse_connect(head: bytes, max_headers: int = 100) -> ConnectHead | None:
     """A CONNECT head in the strict form → its target and credentials; anything else → None
     (not ours to answer: mitmproxy parses it and answers as it always did).
 
@@ -78,6 +89,9 @@ def parse_connect(head: bytes, max_headers: int = 100) -> ConnectHead | None:
             auth.append(value)
     host, port = target
     return ConnectHead(host, port, auth[0].decode("ascii") if len(auth) == 1 else None, bool(auth))
+
+
+_parse_connect_memo = functools.lru_cache(maxsize=1024)(_parse_connect)
 
 
 def _parse_authority(target: bytes) -> tuple[str, int] | None:

@@ -42,8 +42,10 @@ from egress.revocation import OpenConnection
 log = logging.getLogger("cubegate.fastpath")
 
 TLS_PORTS = frozenset({443})
+_SOURCE_FIELDS = frozenset({"sandbox", "client", "host"})   # audit_record takes these from st unless given
 PLAIN_HTTP_PORTS = frozenset({80})
 FORCED_CLOSE_GRACE = 2.0
+_TCP_FAMILIES = (socket.AF_INET, socket.AF_INET6)
 
 
 class FastPath:
@@ -130,7 +132,12 @@ class FastPath:
 
     def _audit_refusal(self, event: str, st: ConnState, **fields) -> bool:
         """A refusal's record, within its source's budget (the gate's: one per worker, both paths)."""
-        return records.append_refusal(self.gate.audit, self.gate.metrics, self.gate.refusal_budget, st,
+        gate = self.gate
+        if _SOURCE_FIELDS.isdisjoint(fields):   # the record's source, reason and host are st's and fields'
+            return records.append_refusal_built(gate.audit, gate.metrics, gate.refusal_budget, st,
+                                                records.state_refusal_source(st), fields.get("reason"), st.host,
+                                                lambda: records.audit_record(event, st, **fields))
+        return records.append_refusal(gate.audit, gate.metrics, gate.refusal_budget, st,
                                       records.audit_record(event, st, **fields))
 
     def _count(self, st: ConnState, action: str, reason: str, stage: str) -> None:
@@ -158,10 +165,22 @@ class FastPath:
         connection; bytes_in is 0, bytes_out what was read, the duration up to now) and
         extra.closed = true. Only when it is written does _forget skip the connection_closed record."""
         st = c.st
-        closed = records.closed_fields(st, time.monotonic() - st.started)
-        closed["extra"].update(fields.pop("extra", None) or {}, closed=True)
-        del closed["decision"], closed["reason"]          # the refusal's own, in `fields`
-        c.closed_audited = self._audit_refusal("decision", st, **closed, **fields)
+        duration = time.monotonic() - st.started        # now: the record may be made later (or never)
+        extra = fields.pop("extra", None)
+
+        def fields_with_closed() -> dict:
+            closed = records.closed_fields(st, duration)
+            closed["extra"].update(extra or {}, closed=True)
+            del closed["decision"], closed["reason"]      # the refusal's own, in `fields`
+            return {**closed, **fields}
+
+        gate = self.gate
+        if not _SOURCE_FIELDS.isdisjoint(fields):
+            c.closed_audited = self._audit_refusal("decision", st, **fields_with_closed())
+            return
+        c.closed_audited = records.append_refusal_built(
+            gate.audit, gate.metrics, gate.refusal_budget, st, records.state_refusal_source(st), fields.get("reason"),
+            st.host, lambda: records.audit_record("decision", st, **fields_with_closed()))
 
     def internal_error(self, c: "_Conn", e: Exception) -> None:
         """Fail closed on our own bug (here or in plain.py): audited and counted as internal_error,
@@ -494,6 +513,37 @@ def _send_fin(transport) -> None:
         s.detach()                       # the transport owns the descriptor
 
 
+def _send_with_fin(transport, data: bytes) -> bool:
+    """Send `data` and close: written on the transport's idle TCP socket with MSG_MORE, then
+    shutdown(SHUT_WR), so the page waits for the FIN, which Linux adds to the same segment (what
+    _cork + write + _send_fin do, in two syscalls, not four); then the transport is aborted (the
+    close sends nothing more). False, nothing sent nor closed: not TCP, or the socket would block."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in _TCP_FAMILIES:
+        return False
+    s = socket.socket(sock.family, sock.type, sock.proto, sock.fileno())
+    try:
+        try:
+            n = s.send(data, socket.MSG_MORE)
+        except BlockingIOError:
+            return False
+        except OSError:
+            transport.abort()            # the peer is gone: nothing to deliver
+            return True
+        if n < len(data):                # rare (a page is smaller than any send buffer)
+            transport.write(data[n:])    # pushes what MSG_MORE held back; the close flushes, then FINs
+            transport.close()
+            return True
+        try:
+            s.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass                         # the peer is gone already
+    finally:
+        s.detach()                       # the transport owns the descriptor
+    transport.abort()
+    return True
+
+
 def _conn_id() -> str:
     """str(uuid.uuid4()), without the UUID object (new_id: the same 122 random bits)."""
     h = new_id()
@@ -590,6 +640,8 @@ class _Conn(asyncio.Protocol):
         """Send `response` (if any) and close; without one, reset (the gate's _kill_client)."""
         t = self.transport
         if t is None or t.is_closing():
+            return
+        if response and not t.get_write_buffer_size() and _send_with_fin(t, response):
             return
         corked = bool(response) and _cork(t)   # the page and the FIN leave in one segment, not two
         if response:
