@@ -31,6 +31,7 @@ from egress.audit.record import new_id
 from egress.conn_state import ConnState
 from egress.destination import DecisionCache, connected_refusal, decide_destination, needs_interception
 from egress.fastpath import heads
+from egress.fastpath.deny_memo import DenyMemo
 from egress.fastpath.dial import dial
 from egress.fastpath.listeners import listen_sockets
 from egress.fastpath.relay import Relay, SpliceRelay
@@ -66,6 +67,7 @@ class FastPath:
         m = gate.metrics
         self.outcomes = LabelCache(m.fast_path)
         self.decisions = DecisionCache()
+        self.denials = DenyMemo(self.decisions)    # policy denials at CONNECT, remembered per generation
         self._decision_count = LabelCache(m.decisions)
         self._latency = LabelCache(m.decision_latency)
         self._request_latency = LabelCache(m.request_latency)
@@ -308,12 +310,17 @@ class FastPath:
                               method="CONNECT", extra={"target": f"{connect.host}:{connect.port}"})
             return
         st.identity = ident
-        verdict = await decide_destination(st, connect.host, connect.port, policies=gate.policies, guard=gate.guard,
-                                           resolver=gate.resolver, scheme=None, method=None, path=None,
-                                           cache=self.decisions)
+        verdict, denied = await self.denials.decide(st, connect.host, connect.port, policies=gate.policies,
+                                                    guard=gate.guard, resolver=gate.resolver)
         decision, refusal = verdict.decision, verdict.refusal
         self._latency("connect").observe(time.perf_counter() - t0)
         if c.lost:
+            return
+        if denied is not None:           # a policy denial (remembered: egress/fastpath/deny_memo.py)
+            refusal = denied.refusal
+            self._refuse(c, refusal.reason, stage="connect", status=refusal.status, method="CONNECT",
+                         response=heads.refusal_response(refusal.status, refusal.reason, refusal.detail, st=st,
+                                                         decision=decision), **denied.fields)
             return
         if refusal is None and decision.action != "allow":
             refusal = records.policy_refusal(decision)
