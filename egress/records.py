@@ -101,12 +101,16 @@ def state_refusal_source(st: ConnState) -> tuple[str, str]:
 
 
 def append_refusal_built(audit, metrics, budget, st: ConnState | None, source: tuple[str, str],
-                         reason: str | None, host: str | None, build) -> bool:
+                         reason: str | None, host: str | None, build, tally=None) -> bool:
     """append_refusal, with the record made by build() only when the budget lets it be written:
-    a refusal past the budget (a flood: the case that must stay cheap) is only counted."""
+    a refusal past the budget (a flood: the case that must stay cheap) is only counted (in
+    `tally`, an egress.metrics.MetricBatch, when given)."""
     if budget.admit(source, reason, host):
         return append(audit, metrics, build())
-    metrics.audit_refusals_counted.inc()
+    if tally is not None:
+        tally.inc(metrics.audit_refusals_counted)
+    else:
+        metrics.audit_refusals_counted.inc()
     if st is not None:
         st.refusal_counted = True
     return True

@@ -36,7 +36,7 @@ from egress.fastpath.dial import dial
 from egress.fastpath.listeners import listen_sockets
 from egress.fastpath.relay import Relay, SpliceRelay
 from egress.http_checks import Refusal
-from egress.metrics import LabelCache
+from egress.metrics import LabelCache, MetricBatch
 from egress.policy import normalize_host
 from egress.revocation import OpenConnection
 
@@ -66,6 +66,7 @@ class FastPath:
         self.handed_over: set[asyncio.Task] = set()
         m = gate.metrics
         self.outcomes = LabelCache(m.fast_path)
+        self.tally = MetricBatch()                 # this loop tick's metric updates, written when it ends
         self.decisions = DecisionCache()
         self.denials = DenyMemo(self.decisions)    # policy denials at CONNECT, remembered per generation
         self._decision_count = LabelCache(m.decisions)
@@ -125,6 +126,7 @@ class FastPath:
         while self.conns and time.monotonic() < grace:
             await asyncio.sleep(0.05)
         stats["fast_left"] = len(self.conns)
+        self.tally.flush()
         log.info("fast path drain done: %s", stats)
         return stats
 
@@ -138,12 +140,12 @@ class FastPath:
         if _SOURCE_FIELDS.isdisjoint(fields):   # the record's source, reason and host are st's and fields'
             return records.append_refusal_built(gate.audit, gate.metrics, gate.refusal_budget, st,
                                                 records.state_refusal_source(st), fields.get("reason"), st.host,
-                                                lambda: records.audit_record(event, st, **fields))
+                                                lambda: records.audit_record(event, st, **fields), self.tally)
         return records.append_refusal(gate.audit, gate.metrics, gate.refusal_budget, st,
                                       records.audit_record(event, st, **fields))
 
     def _count(self, st: ConnState, action: str, reason: str, stage: str) -> None:
-        self._decision_count(st.sandbox, action, reason, stage).inc()
+        self.tally.inc(self._decision_count(st.sandbox, action, reason, stage))
 
     def _refuse(self, c: "_Conn", reason: str, *, stage: str, status: int | None = None,
                 response: bytes | None = None, **fields) -> None:
@@ -158,7 +160,7 @@ class FastPath:
         else:
             self._audit_refused_connection(c, fields)
         self._count(st, "deny", reason, stage)
-        self.outcomes("refused").inc()
+        self.tally.inc(self.outcomes("refused"))
         c.finish(response)
 
     def _audit_refused_connection(self, c: "_Conn", fields: dict) -> None:
@@ -182,7 +184,7 @@ class FastPath:
             return
         c.closed_audited = records.append_refusal_built(
             gate.audit, gate.metrics, gate.refusal_budget, st, records.state_refusal_source(st), fields.get("reason"),
-            st.host, lambda: records.audit_record("decision", st, **fields_with_closed()))
+            st.host, lambda: records.audit_record("decision", st, **fields_with_closed()), self.tally)
 
     def internal_error(self, c: "_Conn", e: Exception) -> None:
         """Fail closed on our own bug (here or in plain.py): audited and counted as internal_error,
@@ -251,7 +253,7 @@ class FastPath:
     def _forget(self, c: "_Conn", *, audit: bool) -> None:
         self.conns.discard(c)
         self.gate.unregister_connection(c.st.conn_id)
-        self.gate.metrics.active_connections.dec()
+        self.tally.inc(self.gate.metrics.active_connections, -1)
         st = c.st
         if c.timer is not None:
             c.timer.cancel()
@@ -264,7 +266,7 @@ class FastPath:
             self._bytes(st.sandbox, "out").inc(st.bytes_out)
         if st.bytes_in:
             self._bytes(st.sandbox, "in").inc(st.bytes_in)
-        self._duration(st.kind).observe(duration)
+        self.tally.observe(self._duration(st.kind), duration)
         if st.refusal_counted and not st.tunnel and st.requests <= 1:
             return                       # refused at its first decision and counted: its closed record is that count
         if not c.closed_audited:         # else its refusal's decision record was the closed record too
@@ -313,7 +315,7 @@ class FastPath:
         verdict, denied = await self.denials.decide(st, connect.host, connect.port, policies=gate.policies,
                                                     guard=gate.guard, resolver=gate.resolver)
         decision, refusal = verdict.decision, verdict.refusal
-        self._latency("connect").observe(time.perf_counter() - t0)
+        self.tally.observe(self._latency("connect"), time.perf_counter() - t0)
         if c.lost:
             return
         if denied is not None:           # a policy denial (remembered: egress/fastpath/deny_memo.py)
@@ -583,7 +585,7 @@ class _Conn(asyncio.Protocol):
         self.st = ConnState(conn_id=_conn_id(), client=f"{self.peer[0]}:{self.peer[1]}",
                             started=time.monotonic(), transparent=self.transparent)
         self.fp.conns.add(self)
-        self.fp.gate.metrics.active_connections.inc()
+        self.fp.tally.inc(self.fp.gate.metrics.active_connections)
         self.task = asyncio.get_running_loop().create_task(self.fp.serve(self))   # held: tasks are weakly referenced
 
     def data_received(self, data: bytes) -> None:
