@@ -417,6 +417,7 @@ class FastPath:
             return
         if st.port in PLAIN_HTTP_PORTS:
             if self.plain is not None:
+                c.timer_cancel()         # plain.py keeps the head's deadline (from the accept) itself
                 await self.plain.serve(c)   # decided per request: egress/fastpath/plain.py
             else:
                 self._hand_over(c)       # plain HTTP: the gate decides each request
@@ -573,6 +574,7 @@ class _Conn(asyncio.Protocol):
         self.per_request = False         # plain HTTP (plain.py) took it: records per request, then closed
         self.relay: Relay | None = None
         self.timer = None
+        self._accept_deadline = False    # the timer is the head's, armed at the accept
         self._waiter: asyncio.Future | None = None
         self.task: asyncio.Task | None = None
         self.transport = None
@@ -584,25 +586,38 @@ class _Conn(asyncio.Protocol):
         self.peer = transport.get_extra_info("peername") or ("?", 0)
         self.st = ConnState(conn_id=_conn_id(), client=f"{self.peer[0]}:{self.peer[1]}",
                             started=time.monotonic(), transparent=self.transparent)
-        self.fp.conns.add(self)
-        self.fp.tally.inc(self.fp.gate.metrics.active_connections)
-        self.task = asyncio.get_running_loop().create_task(self.fp.serve(self))   # held: tasks are weakly referenced
+        fp = self.fp
+        fp.conns.add(self)
+        fp.tally.inc(fp.gate.metrics.active_connections)
+        # Served from its first event (bytes, EOF, loss, the deadline), not from here: a head that
+        # arrives whole is then decided at once (the workers' eager tasks run to their first real
+        # wait), with no future to wake. The head's deadline runs from the accept.
+        timeout = fp.gate.header_timeout
+        if timeout:
+            self.timer = asyncio.get_running_loop().call_later(timeout, self._time_out)
+            self._accept_deadline = True
+
+    def _event(self) -> None:
+        if self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self.fp.serve(self))   # held: tasks are weakly referenced
+        else:
+            self._wake()
 
     def data_received(self, data: bytes) -> None:
         self.st.bytes_out += len(data)
         self.buf += data
         if len(self.buf) > self.fp.gate.max_header_bytes + 16 * 1024 + 5:
             self.transport.pause_reading()   # bounded: nothing more is read before the decision
-        self._wake()
+        self._event()
 
     def eof_received(self) -> bool:
         self.eof = True
-        self._wake()
+        self._event()
         return True   # keep our write half open: a refusal may still be sent
 
     def connection_lost(self, exc) -> None:
         self.lost = True
-        self._wake()
+        self._event()
 
     def _wake(self) -> None:
         w = self._waiter
@@ -612,7 +627,7 @@ class _Conn(asyncio.Protocol):
     def _time_out(self) -> None:
         self.timer = None
         self.timed_out = True
-        self._wake()
+        self._event()
 
     def timer_cancel(self) -> None:
         if self.timer is not None:
@@ -620,18 +635,23 @@ class _Conn(asyncio.Protocol):
             self.timer = None
 
     async def fill(self, enough, timeout: float | None) -> bool:
-        """Wait until enough(buf), EOF, loss or timeout; True only for enough(buf)."""
-        loop = asyncio.get_running_loop()
-        self.timer_cancel()
-        self.timed_out = False
-        if timeout:
-            self.timer = loop.call_later(timeout, self._time_out)
+        """Wait until enough(buf), EOF, loss or timeout; True only for enough(buf). The first
+        wait's deadline is the one armed at the accept (connection_made), later ones get `timeout`."""
+        if self._accept_deadline:
+            self._accept_deadline = False
+            timeout = None               # the accept's timer (or its firing: timed_out) stands
+        else:
+            self.timer_cancel()
+            self.timed_out = False
         try:
             while True:
                 if self.buf and enough(self.buf):
                     return True
                 if self.eof or self.lost or self.timed_out:
                     return False   # enough() has seen the EOF already (a ClientHello cut short is "invalid")
+                loop = asyncio.get_running_loop()
+                if timeout and self.timer is None:
+                    self.timer = loop.call_later(timeout, self._time_out)   # armed only when waiting
                 self._waiter = loop.create_future()
                 await self._waiter
         finally:
