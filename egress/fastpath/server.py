@@ -563,6 +563,10 @@ def _conn_id() -> str:
 class _Conn(asyncio.Protocol):
     """A connection's first bytes, collected (bounded) until the fast path has what it needs."""
 
+    __slots__ = ("fp", "transparent", "buf", "eof", "lost", "timed_out", "handed", "finished_deciding",
+                 "closed_audited", "per_request", "relay", "timer", "_accept_deadline", "_waiter", "task",
+                 "transport", "st", "peer")   # one per accepted connection: no __dict__ each
+
     def __init__(self, fp: FastPath, transparent: bool) -> None:
         self.fp = fp
         self.transparent = transparent
