@@ -9,6 +9,7 @@ header values. Sandbox ids are bounded by the identity store.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
@@ -139,7 +140,6 @@ class MetricBatch:
             self._schedule()
 
     def _schedule(self) -> None:
-        import asyncio
         try:
             asyncio.get_running_loop().call_soon(self.flush)
             self._scheduled = True
