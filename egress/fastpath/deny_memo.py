@@ -16,6 +16,7 @@ from typing import Any
 from egress import records
 from egress.conn_state import ConnState
 from egress.destination import DecisionCache, Verdict, decide_destination
+from egress.fastpath import heads
 from egress.http_checks import Refusal
 from egress.identity import Identity
 from egress.policy import Decision
@@ -28,6 +29,7 @@ class Denied:
     decision: Decision
     refusal: Refusal          # records.policy_refusal(decision)
     fields: dict[str, Any]    # records.decision_fields(decision) without decision and reason (read only)
+    page: bytes               # the refusal page (heads.refusal_response: it names the host, port, rule, policy)
 
 
 class DenyMemo:
@@ -66,7 +68,9 @@ class DenyMemo:
             return verdict, None         # decided across a change: not remembered
         fields = records.decision_fields(decision)
         del fields["decision"], fields["reason"]      # the refusal's own
-        entry = Denied(identity, st.host, decision, records.policy_refusal(decision), fields)
+        refusal = records.policy_refusal(decision)
+        page = heads.refusal_response(refusal.status, refusal.reason, refusal.detail, st=st, decision=decision)
+        entry = Denied(identity, st.host, decision, refusal, fields, page)
         if len(self._entries) >= self.MAX_ENTRIES:
             self._entries = {}
         self._entries[(raw_host, port, id(identity))] = entry

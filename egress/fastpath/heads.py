@@ -29,8 +29,9 @@ def head_end(buf: bytes | bytearray) -> int:
     """Offset just past the blank line that ends an HTTP/1 head, or -1 while incomplete."""
     i = buf.find(b"\r\n\r\n")
     j = buf.find(b"\n\n")
-    ends = [k + n for k, n in ((i, 4), (j, 2)) if k >= 0]
-    return min(ends) if ends else -1
+    if j < 0:
+        return i + 4 if i >= 0 else -1
+    return i + 4 if 0 <= i and i + 4 <= j + 2 else j + 2
 
 
 # A strict subset of RFC 9112 for CONNECT: what is outside it is not refused here but handed to

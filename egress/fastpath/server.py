@@ -319,10 +319,8 @@ class FastPath:
         if c.lost:
             return
         if denied is not None:           # a policy denial (remembered: egress/fastpath/deny_memo.py)
-            refusal = denied.refusal
-            self._refuse(c, refusal.reason, stage="connect", status=refusal.status, method="CONNECT",
-                         response=heads.refusal_response(refusal.status, refusal.reason, refusal.detail, st=st,
-                                                         decision=decision), **denied.fields)
+            self._refuse(c, denied.refusal.reason, stage="connect", status=denied.refusal.status, method="CONNECT",
+                         response=denied.page, **denied.fields)
             return
         if refusal is None and decision.action != "allow":
             refusal = records.policy_refusal(decision)

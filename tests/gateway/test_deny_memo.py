@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st_
 from egress import netguard, records
 from egress.conn_state import ConnState
 from egress.destination import DecisionCache, decide_destination
+from egress.fastpath import heads
 from egress.fastpath.deny_memo import DenyMemo
 from egress.identity import Identity
 from egress.policy import load_policy_files
@@ -116,6 +117,9 @@ def test_the_memo_answers_what_deciding_again_answers(tmp_path_factory, steps):
                     fields = records.decision_fields(want.decision)
                     del fields["decision"], fields["reason"]
                     assert denied.fields == fields
+                    assert denied.page == heads.refusal_response(denied.refusal.status, denied.refusal.reason,
+                                                                 denied.refusal.detail, st=want_st,
+                                                                 decision=want.decision)
 
     asyncio.run(run())
 
