@@ -39,6 +39,14 @@ class DecisionCache:
         self._policy = None
         self._until = float("inf")
         self._entries: dict[tuple, Decision] = {}
+        self.generation = 0          # bumped whenever the entries go stale (egress/fastpath/deny_memo.py)
+
+    def generation_for(self, policy) -> int:
+        """The generation whose entries are `policy`'s now (stale ones dropped first)."""
+        now = getattr(policy, "clock", time.time)()
+        if policy is not self._policy or now >= self._until:
+            self._reset(policy, now)
+        return self.generation
 
     def decide(self, policy, req: RequestInfo) -> Decision:
         key = self._key(req)
@@ -63,6 +71,7 @@ class DecisionCache:
 
     def _reset(self, policy, now: float) -> None:
         grants = getattr(getattr(policy, "grants", None), "grants", ())
+        self.generation += 1
         self._policy = policy
         self._until = min((g.expires for g in grants if g.expires is not None and g.expires > now),
                           default=float("inf"))

@@ -9,6 +9,7 @@ header values. Sandbox ids are bounded by the identity store.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
@@ -106,6 +107,73 @@ class LabelCache:
         if child is None:
             child = self.children[values] = self.metric.labels(*values)
         return child
+
+
+class MetricBatch:
+    """Metric updates of one event-loop tick, applied together when it ends (loop.call_soon): a
+    worker's values are mmap'd files (multiprocess mode) and every inc/observe is a locked write,
+    several per connection; a tick's refusals of one sandbox and reason become one write per series.
+    Deferred by one tick only (a scrape that follows an answer sees it); flush() applies what is
+    pending at once (drain, tests). Counters and gauges take inc(child, amount); histograms
+    observe(child, value): the same samples as child.observe(value) each (test_metrics_values.py)."""
+
+    __slots__ = ("_counts", "_observed", "_scheduled")
+
+    def __init__(self) -> None:
+        self._counts: dict[object, float] = {}
+        self._observed: dict[object, list[float]] = {}
+        self._scheduled = False
+
+    def inc(self, child, amount: float = 1) -> None:
+        counts = self._counts
+        counts[child] = counts.get(child, 0) + amount
+        if not self._scheduled:
+            self._schedule()
+
+    def observe(self, child, value: float) -> None:
+        seen = self._observed.get(child)
+        if seen is None:
+            self._observed[child] = [value]
+        else:
+            seen.append(value)
+        if not self._scheduled:
+            self._schedule()
+
+    def _schedule(self) -> None:
+        try:
+            asyncio.get_running_loop().call_soon(self.flush)
+            self._scheduled = True
+        except RuntimeError:             # no loop running (a unit test): applied now
+            self.flush()
+
+    def flush(self) -> None:
+        counts, observed = self._counts, self._observed
+        self._counts, self._observed, self._scheduled = {}, {}, False
+        for child, amount in counts.items():
+            if amount:                   # a gauge's +1 and -1 in one tick: nothing to write
+                child.inc(amount)
+        for child, seen in observed.items():
+            _observe_many(child, seen)
+
+
+def _observe_many(histogram, amounts: list[float]) -> None:
+    """histogram.observe(a) for each a, with one write per bucket hit and one for the sum (its
+    _sum, _buckets and _upper_bounds: prometheus-client's Histogram child, pinned by a test)."""
+    if len(amounts) == 1:
+        histogram.observe(amounts[0])
+        return
+    histogram._raise_if_not_observable()
+    bounds = histogram._upper_bounds
+    hits = [0] * len(bounds)
+    for amount in amounts:
+        for i, bound in enumerate(bounds):
+            if amount <= bound:
+                hits[i] += 1
+                break
+    histogram._sum.inc(sum(amounts))
+    for i, n in enumerate(hits):
+        if n:
+            histogram._buckets[i].inc(n)
 
 
 class WithWorkers:

@@ -89,9 +89,28 @@ def refusal_source(rec: dict[str, Any]) -> tuple[str, str]:
 def append_refusal(audit, metrics, budget, st: ConnState | None, rec: dict[str, Any]) -> bool:
     """A refusal's record: written when its source's budget allows (False if that failed), else
     counted into the interval's summary (st.refusal_counted: its connection_closed is skipped too)."""
-    if budget.admit(refusal_source(rec), rec.get("reason"), rec.get("host")):
-        return append(audit, metrics, rec)
-    metrics.audit_refusals_counted.inc()
+    return append_refusal_built(audit, metrics, budget, st, refusal_source(rec), rec.get("reason"),
+                                rec.get("host"), lambda: rec)
+
+
+def state_refusal_source(st: ConnState) -> tuple[str, str]:
+    """refusal_source of a record made from `st` (audit_record), without making it."""
+    if st.identity is not None and st.identity.sandbox_id:
+        return ("sandbox", st.identity.sandbox_id)
+    return ("client", (st.client or "").rpartition(":")[0] or "-")
+
+
+def append_refusal_built(audit, metrics, budget, st: ConnState | None, source: tuple[str, str],
+                         reason: str | None, host: str | None, build, tally=None) -> bool:
+    """append_refusal, with the record made by build() only when the budget lets it be written:
+    a refusal past the budget (a flood: the case that must stay cheap) is only counted (in
+    `tally`, an egress.metrics.MetricBatch, when given)."""
+    if budget.admit(source, reason, host):
+        return append(audit, metrics, build())
+    if tally is not None:
+        tally.inc(metrics.audit_refusals_counted)
+    else:
+        metrics.audit_refusals_counted.inc()
     if st is not None:
         st.refusal_counted = True
     return True

@@ -29,8 +29,9 @@ def head_end(buf: bytes | bytearray) -> int:
     """Offset just past the blank line that ends an HTTP/1 head, or -1 while incomplete."""
     i = buf.find(b"\r\n\r\n")
     j = buf.find(b"\n\n")
-    ends = [k + n for k, n in ((i, 4), (j, 2)) if k >= 0]
-    return min(ends) if ends else -1
+    if j < 0:
+        return i + 4 if i >= 0 else -1
+    return i + 4 if 0 <= i and i + 4 <= j + 2 else j + 2
 
 
 # A strict subset of RFC 9112 for CONNECT: what is outside it is not refused here but handed to
@@ -44,7 +45,18 @@ _VERSIONS = (b"HTTP/1.1", b"HTTP/1.0")
 _FRAMING = (b"content-length", b"transfer-encoding")   # a CONNECT with a body: not ours to interpret
 
 
+_MEMO_HEAD_BYTES = 1024     # heads up to this long are remembered: at most 1024 x 1 KiB
+
+
 def parse_connect(head: bytes, max_headers: int = 100) -> ConnectHead | None:
+    """_parse_connect, remembered for short heads: a sandbox's retries send the same bytes
+    (pure and its result immutable, so a remembered answer is the same answer)."""
+    if len(head) <= _MEMO_HEAD_BYTES:
+        return _parse_connect_memo(head, max_headers)
+    return _parse_connect(head, max_headers)
+
+
+def _parse_connect(head: bytes, max_headers: int = 100) -> ConnectHead | None:
     """A CONNECT head in the strict form → its target and credentials; anything else → None
     (not ours to answer: mitmproxy parses it and answers as it always did).
 
@@ -78,6 +90,9 @@ def parse_connect(head: bytes, max_headers: int = 100) -> ConnectHead | None:
             auth.append(value)
     host, port = target
     return ConnectHead(host, port, auth[0].decode("ascii") if len(auth) == 1 else None, bool(auth))
+
+
+_parse_connect_memo = functools.lru_cache(maxsize=1024)(_parse_connect)
 
 
 def _parse_authority(target: bytes) -> tuple[str, int] | None:

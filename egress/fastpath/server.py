@@ -31,19 +31,22 @@ from egress.audit.record import new_id
 from egress.conn_state import ConnState
 from egress.destination import DecisionCache, connected_refusal, decide_destination, needs_interception
 from egress.fastpath import heads
+from egress.fastpath.deny_memo import DenyMemo
 from egress.fastpath.dial import dial
 from egress.fastpath.listeners import listen_sockets
 from egress.fastpath.relay import Relay, SpliceRelay
 from egress.http_checks import Refusal
-from egress.metrics import LabelCache
+from egress.metrics import LabelCache, MetricBatch
 from egress.policy import normalize_host
 from egress.revocation import OpenConnection
 
 log = logging.getLogger("cubegate.fastpath")
 
 TLS_PORTS = frozenset({443})
+_SOURCE_FIELDS = frozenset({"sandbox", "client", "host"})   # audit_record takes these from st unless given
 PLAIN_HTTP_PORTS = frozenset({80})
 FORCED_CLOSE_GRACE = 2.0
+_TCP_FAMILIES = (socket.AF_INET, socket.AF_INET6)
 
 
 class FastPath:
@@ -63,7 +66,9 @@ class FastPath:
         self.handed_over: set[asyncio.Task] = set()
         m = gate.metrics
         self.outcomes = LabelCache(m.fast_path)
+        self.tally = MetricBatch()                 # this loop tick's metric updates, written when it ends
         self.decisions = DecisionCache()
+        self.denials = DenyMemo(self.decisions)    # policy denials at CONNECT, remembered per generation
         self._decision_count = LabelCache(m.decisions)
         self._latency = LabelCache(m.decision_latency)
         self._request_latency = LabelCache(m.request_latency)
@@ -121,6 +126,7 @@ class FastPath:
         while self.conns and time.monotonic() < grace:
             await asyncio.sleep(0.05)
         stats["fast_left"] = len(self.conns)
+        self.tally.flush()
         log.info("fast path drain done: %s", stats)
         return stats
 
@@ -130,11 +136,16 @@ class FastPath:
 
     def _audit_refusal(self, event: str, st: ConnState, **fields) -> bool:
         """A refusal's record, within its source's budget (the gate's: one per worker, both paths)."""
-        return records.append_refusal(self.gate.audit, self.gate.metrics, self.gate.refusal_budget, st,
+        gate = self.gate
+        if _SOURCE_FIELDS.isdisjoint(fields):   # the record's source, reason and host are st's and fields'
+            return records.append_refusal_built(gate.audit, gate.metrics, gate.refusal_budget, st,
+                                                records.state_refusal_source(st), fields.get("reason"), st.host,
+                                                lambda: records.audit_record(event, st, **fields), self.tally)
+        return records.append_refusal(gate.audit, gate.metrics, gate.refusal_budget, st,
                                       records.audit_record(event, st, **fields))
 
     def _count(self, st: ConnState, action: str, reason: str, stage: str) -> None:
-        self._decision_count(st.sandbox, action, reason, stage).inc()
+        self.tally.inc(self._decision_count(st.sandbox, action, reason, stage))
 
     def _refuse(self, c: "_Conn", reason: str, *, stage: str, status: int | None = None,
                 response: bytes | None = None, **fields) -> None:
@@ -149,7 +160,7 @@ class FastPath:
         else:
             self._audit_refused_connection(c, fields)
         self._count(st, "deny", reason, stage)
-        self.outcomes("refused").inc()
+        self.tally.inc(self.outcomes("refused"))
         c.finish(response)
 
     def _audit_refused_connection(self, c: "_Conn", fields: dict) -> None:
@@ -158,10 +169,22 @@ class FastPath:
         connection; bytes_in is 0, bytes_out what was read, the duration up to now) and
         extra.closed = true. Only when it is written does _forget skip the connection_closed record."""
         st = c.st
-        closed = records.closed_fields(st, time.monotonic() - st.started)
-        closed["extra"].update(fields.pop("extra", None) or {}, closed=True)
-        del closed["decision"], closed["reason"]          # the refusal's own, in `fields`
-        c.closed_audited = self._audit_refusal("decision", st, **closed, **fields)
+        duration = time.monotonic() - st.started        # now: the record may be made later (or never)
+        extra = fields.pop("extra", None)
+
+        def fields_with_closed() -> dict:
+            closed = records.closed_fields(st, duration)
+            closed["extra"].update(extra or {}, closed=True)
+            del closed["decision"], closed["reason"]      # the refusal's own, in `fields`
+            return {**closed, **fields}
+
+        gate = self.gate
+        if not _SOURCE_FIELDS.isdisjoint(fields):
+            c.closed_audited = self._audit_refusal("decision", st, **fields_with_closed())
+            return
+        c.closed_audited = records.append_refusal_built(
+            gate.audit, gate.metrics, gate.refusal_budget, st, records.state_refusal_source(st), fields.get("reason"),
+            st.host, lambda: records.audit_record("decision", st, **fields_with_closed()), self.tally)
 
     def internal_error(self, c: "_Conn", e: Exception) -> None:
         """Fail closed on our own bug (here or in plain.py): audited and counted as internal_error,
@@ -230,7 +253,7 @@ class FastPath:
     def _forget(self, c: "_Conn", *, audit: bool) -> None:
         self.conns.discard(c)
         self.gate.unregister_connection(c.st.conn_id)
-        self.gate.metrics.active_connections.dec()
+        self.tally.inc(self.gate.metrics.active_connections, -1)
         st = c.st
         if c.timer is not None:
             c.timer.cancel()
@@ -243,7 +266,7 @@ class FastPath:
             self._bytes(st.sandbox, "out").inc(st.bytes_out)
         if st.bytes_in:
             self._bytes(st.sandbox, "in").inc(st.bytes_in)
-        self._duration(st.kind).observe(duration)
+        self.tally.observe(self._duration(st.kind), duration)
         if st.refusal_counted and not st.tunnel and st.requests <= 1:
             return                       # refused at its first decision and counted: its closed record is that count
         if not c.closed_audited:         # else its refusal's decision record was the closed record too
@@ -290,12 +313,15 @@ class FastPath:
                               method="CONNECT", extra={"target": f"{connect.host}:{connect.port}"})
             return
         st.identity = ident
-        verdict = await decide_destination(st, connect.host, connect.port, policies=gate.policies, guard=gate.guard,
-                                           resolver=gate.resolver, scheme=None, method=None, path=None,
-                                           cache=self.decisions)
+        verdict, denied = await self.denials.decide(st, connect.host, connect.port, policies=gate.policies,
+                                                    guard=gate.guard, resolver=gate.resolver)
         decision, refusal = verdict.decision, verdict.refusal
-        self._latency("connect").observe(time.perf_counter() - t0)
+        self.tally.observe(self._latency("connect"), time.perf_counter() - t0)
         if c.lost:
+            return
+        if denied is not None:           # a policy denial (remembered: egress/fastpath/deny_memo.py)
+            self._refuse(c, denied.refusal.reason, stage="connect", status=denied.refusal.status, method="CONNECT",
+                         response=denied.page, **denied.fields)
             return
         if refusal is None and decision.action != "allow":
             refusal = records.policy_refusal(decision)
@@ -393,6 +419,7 @@ class FastPath:
             return
         if st.port in PLAIN_HTTP_PORTS:
             if self.plain is not None:
+                c.timer_cancel()         # plain.py keeps the head's deadline (from the accept) itself
                 await self.plain.serve(c)   # decided per request: egress/fastpath/plain.py
             else:
                 self._hand_over(c)       # plain HTTP: the gate decides each request
@@ -501,6 +528,37 @@ def _send_fin(transport) -> None:
         s.detach()                       # the transport owns the descriptor
 
 
+def _send_with_fin(transport, data: bytes) -> bool:
+    """Send `data` and close: written on the transport's idle TCP socket with MSG_MORE, then
+    shutdown(SHUT_WR), so the page waits for the FIN, which Linux adds to the same segment (what
+    _cork + write + _send_fin do, in two syscalls, not four); then the transport is aborted (the
+    close sends nothing more). False, nothing sent nor closed: not TCP, or the socket would block."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in _TCP_FAMILIES:
+        return False
+    s = socket.socket(sock.family, sock.type, sock.proto, sock.fileno())
+    try:
+        try:
+            n = s.send(data, socket.MSG_MORE)
+        except BlockingIOError:
+            return False
+        except OSError:
+            transport.abort()            # the peer is gone: nothing to deliver
+            return True
+        if n < len(data):                # rare (a page is smaller than any send buffer)
+            transport.write(data[n:])    # pushes what MSG_MORE held back; the close flushes, then FINs
+            transport.close()
+            return True
+        try:
+            s.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass                         # the peer is gone already
+    finally:
+        s.detach()                       # the transport owns the descriptor
+    transport.abort()
+    return True
+
+
 def _conn_id() -> str:
     """str(uuid.uuid4()), without the UUID object (new_id: the same 122 random bits)."""
     h = new_id()
@@ -509,6 +567,10 @@ def _conn_id() -> str:
 
 class _Conn(asyncio.Protocol):
     """A connection's first bytes, collected (bounded) until the fast path has what it needs."""
+
+    __slots__ = ("fp", "transparent", "buf", "eof", "lost", "timed_out", "handed", "finished_deciding",
+                 "closed_audited", "per_request", "relay", "timer", "_accept_deadline", "_waiter", "task",
+                 "transport", "st", "peer")   # one per accepted connection: no __dict__ each
 
     def __init__(self, fp: FastPath, transparent: bool) -> None:
         self.fp = fp
@@ -521,6 +583,7 @@ class _Conn(asyncio.Protocol):
         self.per_request = False         # plain HTTP (plain.py) took it: records per request, then closed
         self.relay: Relay | None = None
         self.timer = None
+        self._accept_deadline = False    # the timer is the head's, armed at the accept
         self._waiter: asyncio.Future | None = None
         self.task: asyncio.Task | None = None
         self.transport = None
@@ -532,25 +595,38 @@ class _Conn(asyncio.Protocol):
         self.peer = transport.get_extra_info("peername") or ("?", 0)
         self.st = ConnState(conn_id=_conn_id(), client=f"{self.peer[0]}:{self.peer[1]}",
                             started=time.monotonic(), transparent=self.transparent)
-        self.fp.conns.add(self)
-        self.fp.gate.metrics.active_connections.inc()
-        self.task = asyncio.get_running_loop().create_task(self.fp.serve(self))   # held: tasks are weakly referenced
+        fp = self.fp
+        fp.conns.add(self)
+        fp.tally.inc(fp.gate.metrics.active_connections)
+        # Served from its first event (bytes, EOF, loss, the deadline), not from here: a head that
+        # arrives whole is then decided at once (the workers' eager tasks run to their first real
+        # wait), with no future to wake. The head's deadline runs from the accept.
+        timeout = fp.gate.header_timeout
+        if timeout:
+            self.timer = asyncio.get_running_loop().call_later(timeout, self._time_out)
+            self._accept_deadline = True
+
+    def _event(self) -> None:
+        if self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self.fp.serve(self))   # held: tasks are weakly referenced
+        else:
+            self._wake()
 
     def data_received(self, data: bytes) -> None:
         self.st.bytes_out += len(data)
         self.buf += data
         if len(self.buf) > self.fp.gate.max_header_bytes + 16 * 1024 + 5:
             self.transport.pause_reading()   # bounded: nothing more is read before the decision
-        self._wake()
+        self._event()
 
     def eof_received(self) -> bool:
         self.eof = True
-        self._wake()
+        self._event()
         return True   # keep our write half open: a refusal may still be sent
 
     def connection_lost(self, exc) -> None:
         self.lost = True
-        self._wake()
+        self._event()
 
     def _wake(self) -> None:
         w = self._waiter
@@ -560,7 +636,7 @@ class _Conn(asyncio.Protocol):
     def _time_out(self) -> None:
         self.timer = None
         self.timed_out = True
-        self._wake()
+        self._event()
 
     def timer_cancel(self) -> None:
         if self.timer is not None:
@@ -568,18 +644,23 @@ class _Conn(asyncio.Protocol):
             self.timer = None
 
     async def fill(self, enough, timeout: float | None) -> bool:
-        """Wait until enough(buf), EOF, loss or timeout; True only for enough(buf)."""
-        loop = asyncio.get_running_loop()
-        self.timer_cancel()
-        self.timed_out = False
-        if timeout:
-            self.timer = loop.call_later(timeout, self._time_out)
+        """Wait until enough(buf), EOF, loss or timeout; True only for enough(buf). The first
+        wait's deadline is the one armed at the accept (connection_made), later ones get `timeout`."""
+        if self._accept_deadline:
+            self._accept_deadline = False
+            timeout = None               # the accept's timer (or its firing: timed_out) stands
+        else:
+            self.timer_cancel()
+            self.timed_out = False
         try:
             while True:
                 if self.buf and enough(self.buf):
                     return True
                 if self.eof or self.lost or self.timed_out:
                     return False   # enough() has seen the EOF already (a ClientHello cut short is "invalid")
+                loop = asyncio.get_running_loop()
+                if timeout and self.timer is None:
+                    self.timer = loop.call_later(timeout, self._time_out)   # armed only when waiting
                 self._waiter = loop.create_future()
                 await self._waiter
         finally:
@@ -597,6 +678,8 @@ class _Conn(asyncio.Protocol):
         """Send `response` (if any) and close; without one, reset (the gate's _kill_client)."""
         t = self.transport
         if t is None or t.is_closing():
+            return
+        if response and not t.get_write_buffer_size() and _send_with_fin(t, response):
             return
         corked = bool(response) and _cork(t)   # the page and the FIN leave in one segment, not two
         if response:

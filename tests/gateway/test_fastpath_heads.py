@@ -153,3 +153,17 @@ def test_anything_the_fast_path_accepts_mitmproxy_reads_the_same(line, headers):
     assert destination(host) == destination(ours.host)
     assert bool(auth) == ours.has_proxy_authorization
     assert (auth[0] if len(auth) == 1 else None) == ours.proxy_authorization
+
+
+def test_head_end_is_the_first_blank_line_of_either_kind():
+    """Every string of CR, LF and one other byte up to 8 long: the earliest end of CRLFCRLF or LFLF."""
+    import itertools
+
+    def earliest(buf: bytes) -> int:
+        ends = [k + n for k, n in ((buf.find(b"\r\n\r\n"), 4), (buf.find(b"\n\n"), 2)) if k >= 0]
+        return min(ends) if ends else -1
+
+    for length in range(9):
+        for parts in itertools.product((b"\r", b"\n", b"a"), repeat=length):
+            buf = b"".join(parts)
+            assert heads.head_end(buf) == heads.head_end(bytearray(buf)) == earliest(buf), buf

@@ -33,3 +33,40 @@ def test_value_class_is_swapped_only_in_multiprocess_mode(monkeypatch):
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/nonexistent-unused")
     metrics.values_with_cached_pid()
     assert values.ValueClass is not before and values.ValueClass._multiprocess
+
+
+def _samples(registry) -> dict:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in registry.collect() for s in fam.samples if not s.name.endswith("_created")}
+
+
+def test_a_batch_writes_the_same_samples_as_each_update_would():
+    """MetricBatch (one tick's updates, applied together) against the same updates made one by one;
+    this also fails when prometheus-client's Histogram internals that _observe_many uses move."""
+    import asyncio
+    one_by_one, batched = metrics.GatewayMetrics(), metrics.GatewayMetrics()
+    durations = [0.0, 1e-6, 0.004, 0.005, 0.2, 3.0, 7.5, 11.0, 1e9]
+
+    def updates(m, inc, observe):
+        for d in durations:
+            inc(m.decisions.labels("sb-1", "deny", "default_deny", "connect"), 1)
+            inc(m.active_connections, 1)
+            observe(m.connection_duration.labels("denied"), d)
+            observe(m.decision_latency.labels("connect"), d / 1000)
+            inc(m.active_connections, -1)
+        inc(m.active_connections, 1)
+        inc(m.audit_refusals_counted, 3)
+
+    updates(one_by_one, lambda c, n: c.inc(n), lambda c, v: c.observe(v))
+
+    async def in_one_tick():
+        batch = metrics.MetricBatch()
+        updates(batched, batch.inc, batch.observe)
+        assert _samples(batched.registry)[("cubegate_active_connections", ())] == 0   # not written yet
+        await asyncio.sleep(0)                                                      # the tick ends
+        await asyncio.sleep(0)
+
+    asyncio.run(in_one_tick())
+    want = _samples(one_by_one.registry)
+    assert want[("cubegate_connection_seconds_count", (("kind", "denied"),))] == len(durations)
+    assert _samples(batched.registry) == want
