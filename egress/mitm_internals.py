@@ -72,6 +72,15 @@ def cancel_server(client_id: str, server: connection.Server, why: str) -> bool:
     return False
 
 
+def name_the_dialled_server(server: connection.Server, address: tuple[str, int]) -> None:
+    """server_connect pins the upstream to a guarded address (server.address = (ip, port)); once
+    connected, the connection is given its name back. mitmproxy reuses an upstream connection only
+    for a request whose (host, port) equals connection.address: left at the ip, every keep-alive
+    request opened a new upstream connection, and the sixth waited forever for mitmproxy's 5 slots
+    per address. Server.__setattr__ refuses a new address on an open connection: set it under it."""
+    server.__dict__["address"] = address
+
+
 def wrap_reader(client_id: str, conn: connection.Connection, wrap) -> None:
     io = connection_io(client_id, conn)
     if io is not None and io.reader is not None:

@@ -402,3 +402,29 @@ def test_an_encoded_body_without_a_secret_is_still_relayed(env):
     r = sb.get("http", he.SINK, f"/{m}", method="POST", body=body, headers=[("Content-Encoding", "gzip")])
     assert r.status == 200, r
     assert _upstream_got(env, m)[0]["body"] == body
+
+
+# ------------------------------------------------------------- intercepted keep-alive
+@pytest.mark.parametrize("mode", he.MODES)
+def test_an_intercepted_keep_alive_connection_serves_many_requests_over_one_upstream_connection(env, mode):
+    """FINDING (the bench's MITM keep-alive row, not an attacker): server_connect pins the upstream
+    to a guarded address, and mitmproxy reuses an upstream connection only for the (host, port) it
+    was opened for: each request on a kept-alive intercepted connection opened a new upstream
+    connection, and the sixth waited forever for mitmproxy's 5 slots per address."""
+    import http.client
+    sb = env.sandbox(mode)
+
+    def connects() -> int:
+        return sum(1 for e in env.hostile.entries() if e["event"] == "connect")
+    before = connects()
+    sock = sb.tls(he.H)
+    try:
+        for i in range(12):
+            sock.sendall(sb.request_bytes("https", he.H, f"/ka-{mode}-{i}", headers=[("Connection", "keep-alive")]))
+            resp = http.client.HTTPResponse(sock)
+            resp.begin()
+            resp.read()
+            assert resp.status == 200, (i, resp.status)
+    finally:
+        sock.close()
+    assert connects() - before == 1, "each request should not need an upstream connection of its own"

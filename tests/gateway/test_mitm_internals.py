@@ -189,3 +189,21 @@ def test_hook_queue_bound_reaches_what_it_patches():
     paused = inspect.getsource(layer.Layer.handle_event)
     assert "command.blocking = self" in paused and "self._paused_event_queue.append(event)" in paused
     assert "while not self._paused and self._paused_event_queue:" in inspect.getsource(layer.Layer)
+
+
+def test_a_pinned_upstream_gets_its_name_back_and_is_reused_for_it():
+    """mitmproxy reuses an upstream connection for a request only when (host, port) equals its
+    address, and refuses a new address on an open connection: both are why the gateway names a
+    pinned connection under Server.__setattr__ (the MITM keep-alive hang otherwise)."""
+    import pytest as _pytest
+    from mitmproxy import connection
+    from mitmproxy.proxy.layers.http import GetHttpConnection
+    s = connection.Server(address=("198.18.0.10", 443))
+    s.tls = True
+    s.state = connection.ConnectionState.OPEN
+    with _pytest.raises(RuntimeError, match="Cannot change server.address"):
+        s.address = ("api.example.test", 443)
+    mitm_internals.name_the_dialled_server(s, ("api.example.test", 443))
+    assert s.address == ("api.example.test", 443)
+    assert GetHttpConnection(("api.example.test", 443), True, None).connection_spec_matches(s)
+    assert not GetHttpConnection(("198.18.0.10", 443), True, None).connection_spec_matches(s)
