@@ -172,7 +172,6 @@ class PolicyGate:
         self._connect_timers: dict[str, asyncio.TimerHandle] = {}
         self._connect_timeouts: set[str] = set()
         self._connect_refusals: dict[str, str] = {}   # upstream connection id -> the policy's reason it was not dialled
-        self._dialled_names: dict[str, tuple[str, int]] = {}   # upstream connection id -> (name, port) pinned to an ip
         self.conns: dict[str, ConnState] = {}
         self.max_connections_per_sandbox = max_connections_per_sandbox
         self.body_limits = body_limits or BodyLimits()
@@ -1187,7 +1186,7 @@ class PolicyGate:
             refusal = records.policy_refusal(denied)
             server.error = mitm_internals.connect_refusal(refusal.status, refusal.reason, refusal.detail)
             return False
-        self._dialled_names[server.id] = (host, port)
+        mitm_internals.remember_dialled_name(server, (host, port))
         server.address = (kept[0][1], port)
         return True
 
@@ -1231,7 +1230,7 @@ class PolicyGate:
 
     def server_connected(self, data: server_hooks.ServerConnectionHookData) -> None:
         self._connect_done(data.server)
-        name = self._dialled_names.pop(data.server.id, None)
+        name = mitm_internals.dialled_name(data.server)
         if name is not None:            # reusable for the next request to the name (mitm_internals)
             mitm_internals.name_the_dialled_server(data.server, name)
         st = self.conns.get(data.client.id)
@@ -1252,7 +1251,6 @@ class PolicyGate:
 
     def server_connect_error(self, data: server_hooks.ServerConnectionHookData) -> None:
         timed_out = self._connect_done(data.server)
-        self._dialled_names.pop(data.server.id, None)
         self._release_upstream(data.server)
         st = self.conns.get(data.client.id)
         if st is None:

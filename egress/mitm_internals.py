@@ -72,6 +72,21 @@ def cancel_server(client_id: str, server: connection.Server, why: str) -> bool:
     return False
 
 
+def remember_dialled_name(server: connection.Server, address: tuple[str, int]) -> None:
+    """Keep the name a pinned upstream is dialled for on the Server itself (read back by
+    dialled_name once connected): held by no table, so a dial mitmproxy cancels before any
+    further hook (its handler waiting for one of the 5 slots per address when the client
+    leaves or the connect timer fires) leaves nothing behind."""
+    server.__dict__[_DIALLED_NAME] = address
+
+
+def dialled_name(server: connection.Server) -> tuple[str, int] | None:
+    return server.__dict__.pop(_DIALLED_NAME, None)
+
+
+_DIALLED_NAME = "_cubegate_dialled_name"
+
+
 def name_the_dialled_server(server: connection.Server, address: tuple[str, int]) -> None:
     """server_connect pins the upstream to a guarded address (server.address = (ip, port)); once
     connected, the connection is given its name back. mitmproxy reuses an upstream connection only

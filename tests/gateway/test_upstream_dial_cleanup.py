@@ -1,0 +1,47 @@
+"""A dial mitmproxy abandons before any further hook leaves nothing of it in the gate.
+
+mitmproxy's open_connection runs server_connect, then waits for one of its 5 slots per upstream
+address (per client connection) before dialling; a handler cancelled there (the client left, or
+the connect timer fired) runs neither server_connect_error nor server_disconnected. Whatever the
+gate keys by that upstream connection's id must not outlive it.
+"""
+from __future__ import annotations
+
+from mitmproxy.proxy import server_hooks
+
+from tests.gateway.test_gate_units import nameserver, parts, run, tunnel  # noqa: F401
+
+
+def _tables_holding(gate, key: str) -> list[str]:
+    return [name for name, value in vars(gate).items()
+            if isinstance(value, (dict, set)) and key in value]
+
+
+def test_a_pinned_dial_cancelled_before_connecting_is_held_by_no_table(parts):
+    async def scenario(tctx):
+        client, data = await tunnel(parts, tctx, "other.allowed.test")
+        server = data.context.server
+        server.address = ("other.allowed.test", 443)
+        await parts.gate.server_connect(server_hooks.ServerConnectionHookData(server=server, client=client))
+        assert server.error is None and server.address == ("198.18.0.11", 443)   # pinned, to be dialled
+        # ... the handler is cancelled waiting for a slot: no server hook follows, the client leaves
+        parts.gate.client_disconnected(client)
+        return server.id
+    server_id = run(parts, scenario)
+    assert _tables_holding(parts.gate, server_id) == []
+
+
+def test_a_pinned_dial_gets_its_name_back_once_connected(parts):
+    async def scenario(tctx):
+        client, data = await tunnel(parts, tctx, "other.allowed.test")
+        server = data.context.server
+        server.address = ("other.allowed.test", 443)
+        sd = server_hooks.ServerConnectionHookData(server=server, client=client)
+        await parts.gate.server_connect(sd)
+        assert server.address == ("198.18.0.11", 443)
+        server.peername = ("198.18.0.11", 443)
+        parts.gate.server_connected(sd)
+        return server.address, server.id
+    address, server_id = run(parts, scenario)
+    assert address == ("other.allowed.test", 443)
+    assert _tables_holding(parts.gate, server_id) == []
