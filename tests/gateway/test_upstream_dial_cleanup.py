@@ -7,8 +7,10 @@ gate keys by that upstream connection's id must not outlive it.
 """
 from __future__ import annotations
 
+import pytest
 from mitmproxy.proxy import server_hooks
 
+from egress.conn_state import ConnectionClaims
 from tests.gateway.test_gate_units import nameserver, parts, run, tunnel  # noqa: F401
 
 
@@ -17,7 +19,11 @@ def _tables_holding(gate, key: str) -> list[str]:
             if isinstance(value, (dict, set)) and key in value]
 
 
-def test_a_pinned_dial_cancelled_before_connecting_is_held_by_no_table(parts):
+@pytest.mark.parametrize("limit", [None, 8], ids=["no_cap", "capped"])
+def test_a_pinned_dial_cancelled_before_connecting_is_held_by_no_table(parts, limit):
+    if limit is not None:        # upstream connections are claimed against the sandbox's cap
+        parts.gate.max_connections_per_sandbox, parts.gate.claims = limit, ConnectionClaims(limit)
+
     async def scenario(tctx):
         client, data = await tunnel(parts, tctx, "other.allowed.test")
         server = data.context.server
@@ -29,6 +35,7 @@ def test_a_pinned_dial_cancelled_before_connecting_is_held_by_no_table(parts):
         return server.id
     server_id = run(parts, scenario)
     assert _tables_holding(parts.gate, server_id) == []
+    assert parts.gate.claims.open == {}          # the sandbox's upstream claim was given back
 
 
 def test_a_pinned_dial_gets_its_name_back_once_connected(parts):
