@@ -170,7 +170,6 @@ class PolicyGate:
         self.upstream_timeout = upstream_timeout
         self.connect_timeout = connect_timeout
         self._connect_timers: dict[str, asyncio.TimerHandle] = {}
-        self._connect_timeouts: set[str] = set()
         self._connect_refusals: dict[str, str] = {}   # upstream connection id -> the policy's reason it was not dialled
         self.conns: dict[str, ConnState] = {}
         self.max_connections_per_sandbox = max_connections_per_sandbox
@@ -1190,7 +1189,7 @@ class PolicyGate:
             refusal = records.policy_refusal(denied)
             server.error = mitm_internals.connect_refusal(refusal.status, refusal.reason, refusal.detail)
             return False
-        mitm_internals.remember_dialled_name(server, (host, port))
+        mitm_internals.note_on_server(server, "dialled_name", (host, port))
         server.address = (kept[0][1], port)
         return True
 
@@ -1225,20 +1224,17 @@ class PolicyGate:
         self._connect_timers.pop(server.id, None)
         if server.timestamp_tcp_setup is None and mitm_internals.cancel_server(client.id, server,
                                                                                "upstream connect timeout"):
-            self._connect_timeouts.add(server.id)
+            mitm_internals.note_on_server(server, "connect_timed_out", True)
 
     def _connect_done(self, server: connection.Server) -> bool:
         timer = self._connect_timers.pop(server.id, None)
         if timer is not None:
             timer.cancel()
-        if server.id in self._connect_timeouts:
-            self._connect_timeouts.discard(server.id)
-            return True
-        return False
+        return mitm_internals.take_server_note(server, "connect_timed_out", False)
 
     def server_connected(self, data: server_hooks.ServerConnectionHookData) -> None:
         self._connect_done(data.server)
-        name = mitm_internals.dialled_name(data.server)
+        name = mitm_internals.take_server_note(data.server, "dialled_name")
         if name is not None:            # reusable for the next request to the name (mitm_internals)
             mitm_internals.name_the_dialled_server(data.server, name)
         st = self.conns.get(data.client.id)

@@ -72,19 +72,15 @@ def cancel_server(client_id: str, server: connection.Server, why: str) -> bool:
     return False
 
 
-def remember_dialled_name(server: connection.Server, address: tuple[str, int]) -> None:
-    """Keep the name a pinned upstream is dialled for on the Server itself (read back by
-    dialled_name once connected): held by no table, so a dial mitmproxy cancels before any
-    further hook (its handler waiting for one of the 5 slots per address when the client
-    leaves or the connect timer fires) leaves nothing behind."""
-    server.__dict__[_DIALLED_NAME] = address
+def note_on_server(server: connection.Server, key: str, value) -> None:
+    """Keep `value` on the Server itself (read back once by take_server_note): held by no table,
+    so a dial mitmproxy cancels before any further hook (its handler waiting for one of the 5
+    slots per address when the client leaves or the connect timer fires) leaves nothing behind."""
+    server.__dict__["_cubegate_" + key] = value
 
 
-def dialled_name(server: connection.Server) -> tuple[str, int] | None:
-    return server.__dict__.pop(_DIALLED_NAME, None)
-
-
-_DIALLED_NAME = "_cubegate_dialled_name"
+def take_server_note(server: connection.Server, key: str, default=None):
+    return server.__dict__.pop("_cubegate_" + key, default)
 
 
 def name_the_dialled_server(server: connection.Server, address: tuple[str, int]) -> None:

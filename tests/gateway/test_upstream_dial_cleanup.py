@@ -52,3 +52,24 @@ def test_a_pinned_dial_gets_its_name_back_once_connected(parts):
     address, server_id = run(parts, scenario)
     assert address == ("other.allowed.test", 443)
     assert _tables_holding(parts.gate, server_id) == []
+
+
+def test_a_dial_whose_connect_timer_cancels_it_before_connecting_is_held_by_no_table(parts, monkeypatch):
+    from egress import mitm_internals
+    cancelled = []
+    # mitmproxy's handler of that dial, cancelled where it waits (for a slot): no server hook follows
+    monkeypatch.setattr(mitm_internals, "cancel_server", lambda client_id, server, why: cancelled.append(why) or True)
+    parts.gate.connect_timeout = 0.05
+
+    async def scenario(tctx):
+        import asyncio
+        client, data = await tunnel(parts, tctx, "other.allowed.test")
+        server = data.context.server
+        server.address = ("other.allowed.test", 443)
+        await parts.gate.server_connect(server_hooks.ServerConnectionHookData(server=server, client=client))
+        await asyncio.sleep(0.2)
+        parts.gate.client_disconnected(client)
+        return server.id
+    server_id = run(parts, scenario)
+    assert cancelled == ["upstream connect timeout"]
+    assert _tables_holding(parts.gate, server_id) == []
