@@ -8,7 +8,10 @@ connection state as decide_destination without any cache, decided at that moment
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 
+from dnslib.server import DNSServer
 from hypothesis import given, settings, strategies as st_
 
 from egress import netguard, records
@@ -20,6 +23,7 @@ from egress.identity import Identity
 from egress.policy import load_policy_files
 from egress.policy.effective import EffectivePolicy
 from egress.policy.grants import GrantIndex, parse_grant
+from testbed.dnsserver import ZoneResolver, _QuietLogger
 
 POLICY_A = """\
 name: base
@@ -164,11 +168,6 @@ def test_a_denial_of_the_address_a_name_resolved_to_is_not_remembered(tmp_path):
     """A deny CIDR covering every answer of an allowed name is the resolve's, not the policy's
     about the name: once the name resolves elsewhere, the next CONNECT is allowed (as the full
     decision, and the mitmproxy path, answer), not refused from the memo until the next policy."""
-    from dnslib.server import DNSServer
-    from testbed.dnsserver import ZoneResolver, _QuietLogger
-    import json
-    import os
-
     zone = tmp_path / "zone.json"
 
     def answer(ip):

@@ -7,9 +7,12 @@ gate keys by that upstream connection's id must not outlive it.
 """
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from mitmproxy.proxy import server_hooks
 
+from egress import mitm_internals
 from egress.conn_state import ConnectionClaims
 from tests.gateway.test_gate_units import nameserver, parts, run, tunnel  # noqa: F401
 
@@ -55,14 +58,12 @@ def test_a_pinned_dial_gets_its_name_back_once_connected(parts):
 
 
 def test_a_dial_whose_connect_timer_cancels_it_before_connecting_is_held_by_no_table(parts, monkeypatch):
-    from egress import mitm_internals
     cancelled = []
     # mitmproxy's handler of that dial, cancelled where it waits (for a slot): no server hook follows
     monkeypatch.setattr(mitm_internals, "cancel_server", lambda client_id, server, why: cancelled.append(why) or True)
     parts.gate.connect_timeout = 0.05
 
     async def scenario(tctx):
-        import asyncio
         client, data = await tunnel(parts, tctx, "other.allowed.test")
         server = data.context.server
         server.address = ("other.allowed.test", 443)
