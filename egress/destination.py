@@ -23,6 +23,7 @@ class Verdict:
     decision: Decision | None
     refusal: Refusal | None
     addresses: tuple[tuple[int, str], ...] = ()   # allowed (family, ip) to connect to, when resolved
+    resolved: bool = False    # read a DNS answer: the next resolve may answer otherwise (never remembered)
 
 
 class DecisionCache:
@@ -156,8 +157,8 @@ async def decide_destination(st: ConnState, raw_host: str, port: int, *, policie
             return Verdict(decision, None)
     kept, denied = keep_undenied(policy, identity.sandbox_id, decision, addresses, port)
     if denied is not None:
-        return Verdict(denied, None)
-    return Verdict(decision, None, kept)
+        return Verdict(denied, None, resolved=True)
+    return Verdict(decision, None, kept, resolved=True)
 
 
 def keep_undenied(policy, sandbox_id: str, decision: Decision | None, addresses, port: int | None

@@ -170,15 +170,15 @@ class PolicyGate:
         self.upstream_timeout = upstream_timeout
         self.connect_timeout = connect_timeout
         self._connect_timers: dict[str, asyncio.TimerHandle] = {}
-        self._connect_timeouts: set[str] = set()
         self._connect_refusals: dict[str, str] = {}   # upstream connection id -> the policy's reason it was not dialled
-        self._dialled_names: dict[str, tuple[str, int]] = {}   # upstream connection id -> (name, port) pinned to an ip
         self.conns: dict[str, ConnState] = {}
         self.max_connections_per_sandbox = max_connections_per_sandbox
         self.body_limits = body_limits or BodyLimits()
         self.buffer_budget = BufferBudget(self.body_limits.max_buffered_bytes_per_sandbox)
         self.claims = ConnectionClaims(max_connections_per_sandbox)   # shared with the fast path
-        self._upstream_tokens: dict[str, "_UpstreamClaim"] = {}   # upstream connection id -> its claim
+        # client connection id -> {upstream connection id -> its claim}: released with the upstream, or
+        # with the client (mitmproxy cancels a dial waiting for a slot without any further server hook)
+        self._upstream_tokens: dict[str, dict[str, "_UpstreamClaim"]] = {}
         self.agent_endpoint = agent_endpoint   # serves cubegate.internal (None: the name is refused like any other)
         self.registered = Registered()   # other data paths' connections (revoke_where closes them too)
         # refusals written one by one per source and interval; the rest counted (flush_refusals)
@@ -539,6 +539,8 @@ class PolicyGate:
         mitm_internals.wrap_reader(st.conn_id, conn, lambda reader: _CountingReader(reader, add))
 
     def client_disconnected(self, client: connection.Client) -> None:
+        for token in self._upstream_tokens.pop(client.id, {}).values():
+            self.claims.release(token)       # its upstreams are cancelled next, some before any server hook
         st = self.conns.pop(client.id, None)
         self.metrics.active_connections.dec()
         if st is None:
@@ -1187,7 +1189,7 @@ class PolicyGate:
             refusal = records.policy_refusal(denied)
             server.error = mitm_internals.connect_refusal(refusal.status, refusal.reason, refusal.detail)
             return False
-        self._dialled_names[server.id] = (host, port)
+        mitm_internals.note_on_server(server, "dialled_name", (host, port))
         server.address = (kept[0][1], port)
         return True
 
@@ -1197,41 +1199,42 @@ class PolicyGate:
         counted in the same claims as client connections (shared by every worker), under their
         own key, so the cap holds across workers."""
         sandbox = st.identity.sandbox_id if st.identity else None
-        if sandbox is None or not self.max_connections_per_sandbox or server.id in self._upstream_tokens:
+        if sandbox is None or not self.max_connections_per_sandbox or server.id in self._upstream_tokens.get(
+                st.conn_id, ()):
             return True
         token = _UpstreamClaim()
         key = "^" + hashlib.sha256(sandbox.encode()).hexdigest()[:40]   # fits the shared table's id column
         if not self.claims.claim(token, _UpstreamOwner(key)):
             return False
-        self._upstream_tokens[server.id] = token
+        self._upstream_tokens.setdefault(st.conn_id, {})[server.id] = token
         return True
 
-    def _release_upstream(self, server: connection.Server) -> None:
-        token = self._upstream_tokens.pop(server.id, None)
+    def _release_upstream(self, client: connection.Client, server: connection.Server) -> None:
+        mine = self._upstream_tokens.get(client.id)
+        token = mine.pop(server.id, None) if mine is not None else None
         if token is not None:
             self.claims.release(token)
+        if mine is not None and not mine:
+            del self._upstream_tokens[client.id]
 
     def server_disconnected(self, data: server_hooks.ServerConnectionHookData) -> None:
-        self._release_upstream(data.server)
+        self._release_upstream(data.client, data.server)
 
     def _connect_timed_out(self, client: connection.Client, server: connection.Server) -> None:
         self._connect_timers.pop(server.id, None)
         if server.timestamp_tcp_setup is None and mitm_internals.cancel_server(client.id, server,
                                                                                "upstream connect timeout"):
-            self._connect_timeouts.add(server.id)
+            mitm_internals.note_on_server(server, "connect_timed_out", True)
 
     def _connect_done(self, server: connection.Server) -> bool:
         timer = self._connect_timers.pop(server.id, None)
         if timer is not None:
             timer.cancel()
-        if server.id in self._connect_timeouts:
-            self._connect_timeouts.discard(server.id)
-            return True
-        return False
+        return mitm_internals.take_server_note(server, "connect_timed_out", False)
 
     def server_connected(self, data: server_hooks.ServerConnectionHookData) -> None:
         self._connect_done(data.server)
-        name = self._dialled_names.pop(data.server.id, None)
+        name = mitm_internals.take_server_note(data.server, "dialled_name")
         if name is not None:            # reusable for the next request to the name (mitm_internals)
             mitm_internals.name_the_dialled_server(data.server, name)
         st = self.conns.get(data.client.id)
@@ -1252,8 +1255,7 @@ class PolicyGate:
 
     def server_connect_error(self, data: server_hooks.ServerConnectionHookData) -> None:
         timed_out = self._connect_done(data.server)
-        self._dialled_names.pop(data.server.id, None)
-        self._release_upstream(data.server)
+        self._release_upstream(data.client, data.server)
         st = self.conns.get(data.client.id)
         if st is None:
             return

@@ -72,6 +72,17 @@ def cancel_server(client_id: str, server: connection.Server, why: str) -> bool:
     return False
 
 
+def note_on_server(server: connection.Server, key: str, value) -> None:
+    """Keep `value` on the Server itself (read back once by take_server_note): held by no table,
+    so a dial mitmproxy cancels before any further hook (its handler waiting for one of the 5
+    slots per address when the client leaves or the connect timer fires) leaves nothing behind."""
+    server.__dict__["_cubegate_" + key] = value
+
+
+def take_server_note(server: connection.Server, key: str, default=None):
+    return server.__dict__.pop("_cubegate_" + key, default)
+
+
 def name_the_dialled_server(server: connection.Server, address: tuple[str, int]) -> None:
     """server_connect pins the upstream to a guarded address (server.address = (ip, port)); once
     connected, the connection is given its name back. mitmproxy reuses an upstream connection only

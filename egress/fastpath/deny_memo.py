@@ -62,7 +62,8 @@ class DenyMemo:
         verdict = await decide_destination(st, raw_host, port, policies=policies, guard=guard, resolver=resolver,
                                            scheme=None, method=None, path=None, cache=self.decisions)
         decision = verdict.decision
-        if verdict.refusal is not None or decision is None or decision.action == "allow" or st.ip_literal:
+        if (verdict.refusal is not None or decision is None or decision.action == "allow" or st.ip_literal
+                or verdict.resolved):    # a deny of what the name resolved to: the next answer may differ
             return verdict, None
         if self.decisions.generation_for(policies.current) != generation or generation != self._generation:
             return verdict, None         # decided across a change: not remembered

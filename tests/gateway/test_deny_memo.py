@@ -8,7 +8,10 @@ connection state as decide_destination without any cache, decided at that moment
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 
+from dnslib.server import DNSServer
 from hypothesis import given, settings, strategies as st_
 
 from egress import netguard, records
@@ -20,6 +23,7 @@ from egress.identity import Identity
 from egress.policy import load_policy_files
 from egress.policy.effective import EffectivePolicy
 from egress.policy.grants import GrantIndex, parse_grant
+from testbed.dnsserver import ZoneResolver, _QuietLogger
 
 POLICY_A = """\
 name: base
@@ -149,3 +153,52 @@ def test_a_denial_is_remembered_and_forgotten_at_a_grant_expiry(tmp_path):
         assert v.decision.action == "deny" and d is not None
 
     asyncio.run(run())
+
+
+RESOLVED = """\
+name: base
+default: deny
+global: {denied_cidrs: [198.18.0.12/32]}
+rules:
+  - {name: cdn, action: allow, match: {hosts: [cdn.x.test], ports: [443]}}
+"""
+
+
+def test_a_denial_of_the_address_a_name_resolved_to_is_not_remembered(tmp_path):
+    """A deny CIDR covering every answer of an allowed name is the resolve's, not the policy's
+    about the name: once the name resolves elsewhere, the next CONNECT is allowed (as the full
+    decision, and the mitmproxy path, answer), not refused from the memo until the next policy."""
+    zone = tmp_path / "zone.json"
+
+    def answer(ip):
+        tmp = tmp_path / "zone.tmp"
+        tmp.write_text(json.dumps({"cdn.x.test": {"addrs": [ip], "ttl": 0}}))
+        os.replace(tmp, zone)                                 # a new inode: the server reloads it
+    answer("198.18.0.12")
+    server = DNSServer(ZoneResolver(str(zone)), address="127.0.0.1", port=0, logger=_QuietLogger())
+    server.start_thread()
+    try:
+        live = _Policies()
+        live.current = _policy(tmp_path, [RESOLVED], "r", lambda: 100.0)
+        guard = netguard.AddressGuard(allow_cidrs=["198.18.0.0/24"])
+        resolver = netguard.GuardedResolver(guard, nameservers=[f"127.0.0.1:{server.server.server_address[1]}"],
+                                            timeout=2.0)
+        memo = DenyMemo(DecisionCache())
+        ident = IDENTITIES[0]
+
+        async def decide():
+            s = _state()
+            s.identity = ident
+            return await memo.decide(s, "cdn.x.test", 443, policies=live, guard=guard, resolver=resolver)
+
+        async def run():
+            v, _ = await decide()
+            assert (v.decision.action, v.decision.reason) == ("deny", "resolved_global_deny")
+            answer("198.18.0.10")                             # the name moved out of the denied range
+            v, d = await decide()
+            assert d is None and v.decision.action == "allow" and v.addresses == ((2, "198.18.0.10"),)
+
+        asyncio.run(run())
+    finally:
+        server.stop()
+        server.server.server_close()
