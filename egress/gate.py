@@ -1307,7 +1307,7 @@ class _UpstreamClaim:      # what a claim needs of a connection's state
 
 def _content_length(headers) -> int | None:
     values = headers.get_all("content-length")
-    if len(values) == 1 and values[0].strip().isdigit():
+    if len(values) == 1 and values[0].strip().isascii() and values[0].strip().isdigit():
         return int(values[0].strip())
     return None
 

@@ -190,11 +190,14 @@ class _LimitedRequest(tornado.httputil.HTTPMessageDelegate):
             self.limit = min(self.owner.limit, self.owner.body_limit(path))
         raw = headers.get("Content-Length")
         length = raw.split(",")[0].strip() if raw is not None else None
-        if length is not None and length.isdigit() and int(length) > self.limit:
+        if length is not None and not (length.isascii() and length.isdigit()):
+            # str.isdigit() takes "²", which int() then refuses: a clear 400, not a dropped connection
+            return await self._refuse(start_line, "400 Bad Request", "bad_request", "Content-Length is not a number")
+        if length is not None and int(length) > self.limit:
             return await self._refuse(start_line, "413 Payload Too Large", "too_large",
                                       f"request body is {int(length)} bytes; the limit is {self.limit}")
         chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
-        has_body = chunked or (length is not None and length.isdigit() and int(length) > 0)
+        has_body = chunked or (length is not None and int(length) > 0)
         if has_body and self.owner.admit is not None:
             self.who = self.owner.admit(headers)
             if self.who is None:
@@ -203,7 +206,7 @@ class _LimitedRequest(tornado.httputil.HTTPMessageDelegate):
                                               f"a body over {ANON_MAX_BODY} bytes needs valid credentials in the headers")
                 self.limit, self.held_from = min(self.limit, ANON_MAX_BODY), self.owner.anon_budget
         # what this body may hold: its declared length, else (chunked) the whole limit
-        want = int(length) if length is not None and length.isdigit() else (self.limit if chunked else 0)
+        want = int(length) if length is not None else (self.limit if chunked else 0)
         if want:
             if not self.held_from.take(want, self.who):
                 return await self._refuse(start_line, "503 Service Unavailable", "busy",

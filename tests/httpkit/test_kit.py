@@ -158,3 +158,11 @@ def test_body_over_the_limit_is_413_before_it_is_read(toy):
 def test_bind_is_loopback_only_unless_asked():
     with pytest.raises(ValueError, match="loopback"):
         httpkit.serve(make({}, []), max_body=LIMIT, host="0.0.0.0")
+
+
+@pytest.mark.parametrize("value", [b"\xb2", b"1\xb3", b"\xb9"])   # "²", "1³", "¹": str.isdigit() says yes
+def test_a_content_length_of_non_ascii_digits_is_a_400_not_a_dropped_connection(toy, value):
+    srv, store, _ = toy
+    out = raw(srv, b"POST /keys HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+              + b"\r\nContent-Length: " + value + b"\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 400 ") and b"Content-Length is not a number" in out, out[:200]
