@@ -161,6 +161,23 @@ def make_record(event: str, **fields: Any) -> dict[str, Any]:
     return rec
 
 
+# (keys, their values' types) of records whose types passed: records come in a few shapes.
+_TYPED_SHAPES: set[tuple[tuple, tuple]] = set()
+_TYPED_SHAPES_MAX = 1024
+
+
+def _check_types(record: dict[str, Any]) -> None:
+    exact = _EXACT_TYPES
+    for name, value in record.items():
+        if value is None or type(value) in exact[name]:
+            continue   # the usual case, without isinstance calls; subclasses take the general check
+        types = FIELD_TYPES[name]
+        # bool is an int subclass; only would_deny may be a bool.
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            want = "/".join(t.__name__ for t in types)
+            raise ValueError(f"audit field {name!r} must be {want} or None, not {type(value).__name__}")
+
+
 def validate(record: Any) -> None:
     """Raise ValueError unless `record` fits the schema (missing optional keys are fine)."""
     if not isinstance(record, dict):
@@ -171,15 +188,12 @@ def validate(record: Any) -> None:
     for name in REQUIRED:
         if record.get(name) is None:
             raise ValueError(f"audit record is missing {name!r}")
-    exact = _EXACT_TYPES
-    for name, value in record.items():
-        if value is None or type(value) in exact[name]:
-            continue   # the usual case, without isinstance calls; subclasses take the general check
-        types = FIELD_TYPES[name]
-        # bool is an int subclass; only would_deny may be a bool.
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            want = "/".join(t.__name__ for t in types)
-            raise ValueError(f"audit field {name!r} must be {want} or None, not {type(value).__name__}")
+    shape = (tuple(record), tuple(map(type, record.values())))
+    if shape not in _TYPED_SHAPES:     # the check depends on (key, type(value)) only: one per shape
+        _check_types(record)
+        if len(_TYPED_SHAPES) >= _TYPED_SHAPES_MAX:
+            _TYPED_SHAPES.clear()
+        _TYPED_SHAPES.add(shape)
     if not _ID_RE.match(record["id"]):
         raise ValueError(f"audit id must be 32 lowercase hex chars, got {record['id']!r}")
     ts_epoch_ms(record["ts"])
@@ -205,6 +219,11 @@ def validate(record: Any) -> None:
 
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=False)   # made once, not per line
+# What _ENCODER.encode builds anew on every call (json's C encoder), built once. No circular-reference
+# markers: validate() leaves only scalars and one flat dict of scalars. Pure-Python json: encode().
+_encode_chunks = (json.encoder.c_make_encoder(None, _ENCODER.default, json.encoder.encode_basestring_ascii, None,
+                                              ":", ",", False, False, False)
+                  if json.encoder.c_make_encoder is not None else None)
 
 
 def to_line(record: dict[str, Any]) -> bytes:
@@ -213,7 +232,7 @@ def to_line(record: dict[str, Any]) -> bytes:
     ordered = _ALL_NONE.copy()
     ordered.update(record)                  # (validate: no key outside FIELDS, so the order stays)
     try:
-        text = _ENCODER.encode(ordered)
+        text = "".join(_encode_chunks(ordered, 0)) if _encode_chunks is not None else _ENCODER.encode(ordered)
     except ValueError as exc:  # NaN / inf in duration_ms or extra
         raise ValueError(f"audit record not serialisable: {exc}") from None
     return text.encode("ascii") + b"\n"
