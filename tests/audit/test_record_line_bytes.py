@@ -1,6 +1,6 @@
 """to_line's bytes are those of the validate-then-JSONEncoder.encode it replaced, on any valid
-record (hypothesis), and validate's per-shape type check still refuses a wrong type in a shape
-it has seen pass (the check is per key *and* value type)."""
+record (hypothesis); validate still refuses a wrong type in a shape it has just seen pass, and
+to_line a NaN."""
 from __future__ import annotations
 
 import json
