@@ -205,12 +205,9 @@ def _header_blob(req: http.Request) -> bytes:
 
 def header_blob(url: str, fields) -> bytes:
     """What the header leak check scans: the URL, every header, and all values concatenated."""
-    parts = [url.encode("utf-8", "replace")]
-    for k, v in fields:
-        parts.append(k + b": " + v)
-    # The value split across two headers is only whole in their concatenation.
-    parts.append(b"".join(v for _, v in fields))
-    return b"\n".join(parts)
+    # The value split across two headers is only whole in their concatenation (the last part).
+    return b"\n".join([url.encode("utf-8", "replace"), *[k + b": " + v for k, v in fields],
+                       b"".join([v for _, v in fields])])
 
 
 def host_policy_check_for(policies_current: Callable[[], Any]) -> Callable[[str, str], str | None]:

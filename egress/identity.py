@@ -9,7 +9,7 @@ Successful authentications are cached in memory (every CONNECT authenticates):
 the cache is dropped whenever the database changes, ours or another process's
 (SQLite's data_version), so a removed or re-keyed sandbox is refused at once. A hit runs
 no SQL: data_version is asked only when the WAL-index header (walmark) moved, or every
-time when that mark cannot be read.
+time when that mark cannot be read (in the event loop the mark is read once per loop iteration).
 Failures are never cached (a sandbox cannot fill memory with wrong tokens).
 
 A sandbox's token is accepted only from that sandbox's address when the switch gave it one
@@ -143,6 +143,7 @@ class IdentityStore:
             except sqlite3.IntegrityError:
                 raise IdentityError(f"sandbox {sandbox_id!r} already exists (use --replace to re-key)") from None
             self._cache.clear()   # data_version only counts other connections' commits
+            self._wal_mark.forget()
             self._writes += 1
         return token
 
@@ -150,6 +151,7 @@ class IdentityStore:
         with self._lock:
             cur = self._db.execute("DELETE FROM identities WHERE sandbox_id = ?", (sandbox_id,))
             self._cache.clear()
+            self._wal_mark.forget()
             self._writes += 1
         return cur.rowcount > 0
 

@@ -126,6 +126,8 @@ class Store:
             except BaseException:
                 c.execute("ROLLBACK")
                 raise
+            finally:
+                self._wal_mark.forget()   # our own commit: the next change_mark() reads the file again
 
     @contextlib.contextmanager
     def read(self) -> Iterator[sqlite3.Connection]:

@@ -14,10 +14,19 @@ truncated or replaced (SQLite does that only for the first or last connection to
     mark.close()
 
 Not thread-safe: the caller reads it under the lock that guards its connection.
+
+Read in a running event loop, a mark is read once per loop iteration: later reads return it
+until a callback queued at the first read runs (the loop's next iteration), so a request
+handled after that re-reads, while a burst handled in one iteration costs one read (an fstat
+and a pread). Exactness: a read reuses the mark only for callbacks queued before it was read
+(their bytes had arrived already), or for I/O handled in the same iteration. Outside a loop
+(threads, CLIs) every read reads. A write through the caller's own connection calls forget():
+its commit is seen by the very next read.
 """
 from __future__ import annotations
 
 import os
+from asyncio import AbstractEventLoop, _get_running_loop   # the C one: no lookup cost per read
 from pathlib import Path
 
 WAL_INDEX_HEADER_BYTES = 96
@@ -27,10 +36,33 @@ class WalChangeMark:
     def __init__(self, db_path: str | Path) -> None:
         self._shm_path = os.fspath(db_path) + "-shm"
         self._fd: int | None = None
+        self._tick: tuple[AbstractEventLoop, bytes] | None = None   # (loop, mark read in its iteration)
 
     def read(self) -> bytes | None:
         """Bytes that differ after every commit to the database; None when they cannot be read
         (the caller then asks the database itself, e.g. a generation counter)."""
+        loop = _get_running_loop()
+        if loop is None:
+            return self._read()
+        tick = self._tick
+        if tick is not None and tick[0] is loop:
+            return tick[1]
+        mark = self._read()
+        if mark is not None and tick is None:   # None is never reused: it is asked again every time
+            self._tick = (loop, mark)
+            loop.call_soon(self._end_tick, loop)
+        return mark
+
+    def _end_tick(self, loop: AbstractEventLoop) -> None:
+        tick = self._tick
+        if tick is not None and tick[0] is loop:
+            self._tick = None
+
+    def forget(self) -> None:
+        """The caller committed through its own connection: the next read reads."""
+        self._tick = None
+
+    def _read(self) -> bytes | None:
         if self._fd is None:
             try:
                 self._fd = os.open(self._shm_path, os.O_RDONLY | os.O_CLOEXEC)
@@ -46,6 +78,7 @@ class WalChangeMark:
         return mark if len(mark) == WAL_INDEX_HEADER_BYTES else None
 
     def close(self) -> None:
+        self._tick = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -205,6 +205,11 @@ def validate(record: Any) -> None:
 
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=False)   # made once, not per line
+# What _ENCODER.encode builds anew on every call (json's C encoder), built once. No circular-reference
+# markers: validate() leaves only scalars and one flat dict of scalars. Pure-Python json: encode().
+_encode_chunks = (json.encoder.c_make_encoder(None, _ENCODER.default, json.encoder.encode_basestring_ascii, None,
+                                              ":", ",", False, False, False)
+                  if json.encoder.c_make_encoder is not None else None)
 
 
 def to_line(record: dict[str, Any]) -> bytes:
@@ -213,7 +218,7 @@ def to_line(record: dict[str, Any]) -> bytes:
     ordered = _ALL_NONE.copy()
     ordered.update(record)                  # (validate: no key outside FIELDS, so the order stays)
     try:
-        text = _ENCODER.encode(ordered)
+        text = "".join(_encode_chunks(ordered, 0)) if _encode_chunks is not None else _ENCODER.encode(ordered)
     except ValueError as exc:  # NaN / inf in duration_ms or extra
         raise ValueError(f"audit record not serialisable: {exc}") from None
     return text.encode("ascii") + b"\n"
