@@ -18,6 +18,8 @@ import uuid
 
 import pytest
 
+from tests.waiting import wait_for
+
 from testbed.sse import start_sse
 from tests.gateway.hostile_env import MODES, Env, assert_never_leaked
 from tests.gateway.switchlab import switch_lab
@@ -125,7 +127,14 @@ def test_event_stream_reaches_the_sandbox_event_by_event_and_scrubbed(env, mode)
     head, body, arrived = _arrivals(reads)
     wire = b"".join(data for _, data in reads)
 
-    log = env.hostile.entries(marker)
+    # the upstream logs a "sent" line after its write returned: the last may land after the sandbox read it
+    def logged():
+        entries = env.hostile.entries(marker)
+        return entries if sum(e["event"] == "sent" for e in entries) >= EVENTS + 1 else None
+    try:
+        log = wait_for(logged, 5.0, "the upstream's log of every event")
+    except AssertionError:
+        log = env.hostile.entries(marker)      # the assertions below say what is missing
     requests = [e for e in log if e["event"] == "request"]
     assert len(requests) == 1 and requests[0]["key_sha256"] == hashlib.sha256(KEY.encode()).hexdigest(), \
         "the key was not injected: the test would prove nothing"
