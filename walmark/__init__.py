@@ -26,8 +26,20 @@ its commit is seen by the very next read.
 from __future__ import annotations
 
 import os
-from asyncio import AbstractEventLoop, _get_running_loop   # the C one: no lookup cost per read
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncio import AbstractEventLoop
+
+
+def _running_loop():
+    """The running event loop, if any: never imports asyncio (a CLI command without a loop must not
+    pay for it; tests/cubegate/test_cli_startup.py), so no running loop when it is not loaded."""
+    aio = sys.modules.get("asyncio")
+    return aio._get_running_loop() if aio is not None else None
+
 
 WAL_INDEX_HEADER_BYTES = 96
 
@@ -41,7 +53,7 @@ class WalChangeMark:
     def read(self) -> bytes | None:
         """Bytes that differ after every commit to the database; None when they cannot be read
         (the caller then asks the database itself, e.g. a generation counter)."""
-        loop = _get_running_loop()
+        loop = _running_loop()
         if loop is None:
             return self._read()
         tick = self._tick

@@ -433,6 +433,10 @@ def test_a_policy_change_between_kept_alive_requests_is_not_missed(env, mode):
     m = _marker()
     (policy,) = [p for p in env.gw.policy_dir.iterdir() if ODD_HOST in p.read_text()]
     original = policy.read_text()
+    # the other mode's case restored the policy at its end: every worker may not have reloaded it yet
+    deadline = time.monotonic() + 15
+    while _probe(sb, f"/ready-{m}").status != 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
     with sb.plain(_addr(sb)) as s:
         s.sendall(_head(sb, f"/before-{m}"))
         assert _read_one(s)[0] == 200

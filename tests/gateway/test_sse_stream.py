@@ -77,7 +77,10 @@ def _read_stream(sock: ssl.SSLSocket) -> list[tuple[float, bytes]]:
         if not data:
             break
         reads.append((time.time(), data))
-        if b"[DONE]" in data or b"0\r\n\r\n" in data[-5:]:
+        wire = b"".join(d for _, d in reads)
+        # the last event whole (its pieces are written one by one: "[DONE]" may come before its
+        # blank line, and closing then cuts the upstream's last write), or the end of the chunks
+        if wire.endswith(b"0\r\n\r\n") or b"[DONE]\n\n" in _dechunk(wire[wire.find(b"\r\n\r\n") + 4:]):
             break
     return reads
 
@@ -142,7 +145,10 @@ def test_event_stream_reaches_the_sandbox_event_by_event_and_scrubbed(env, mode)
     for e in log:
         if e["event"] == "sent":
             sent[e["index"]] = e["t"]
-    assert len(sent) == EVENTS + 1, f"the upstream sent {len(sent)} of {EVENTS + 1} events"
+    closes = [r for r in env.gw.audit_records() if r.get("sandbox") == SANDBOX and r["event"] == "connection_closed"]
+    assert len(sent) == EVENTS + 1, (f"the upstream sent {len(sent)} of {EVENTS + 1} events: missing "
+                                     f"{sorted(set(range(EVENTS + 1)) - set(sent))}; the sandbox read {len(wire)} bytes "
+                                     f"ending {wire[-80:]!r}; last closes {closes[-2:]}")
 
     assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head.lower(), head[:300]
     assert len(arrived) == EVENTS + 1, f"got {len(arrived)} events: {body[-300:]!r}"
