@@ -5,16 +5,19 @@ hands the injected key back inside its events.
 
 Listens on :443 (TLS, HTTP/1.1) on --bind. One route:
 
-  GET /events/<marker>?n=20&gap=0.15&echo=5&split=8
+  GET /events/<marker>?n=20&gap=0.15&echo=5&split=8&log_lag=0
       200 text/event-stream, chunked: n events `gap` seconds apart, each written and
       flushed on its own (as an LLM API streams tokens). Event `echo` carries the key
       (whatever follows "Bearer " in Authorization: what the gateway injected) inside its
       JSON; event `split` carries it cut in two writes `gap` apart. -1: none.
 
-Every request and every event written is appended to --log as one JSON line
-(``event`` request | sent, with the marker, the event index and time.time()), so a test
-can compare when an event left the upstream with when the sandbox got it. The key is
-logged as its SHA-256 only.
+Every request and every write is appended to --log as one JSON line (``event`` request |
+sent | write_failed, with the marker, the event index, the part of a split event and
+time.time() when the write returned), so a test can compare when an event left the
+upstream with when the sandbox got it. A line is written after its write, so the sandbox
+may read an event before its line exists (a loaded machine delays it at random):
+`log_lag` seconds delays the last event's line on purpose, so a test proves it waits for
+it. The key is logged as its SHA-256 only.
 """
 from __future__ import annotations
 
@@ -88,6 +91,7 @@ class Handler(BaseHTTPRequestHandler):
         q = {k: v[-1] for k, v in parse_qs(url.query).items()}
         n = max(1, min(int(q.get("n", "20")), MAX_EVENTS))
         gap = max(0.0, min(float(q.get("gap", "0.15")), MAX_GAP))
+        log_lag = max(0.0, min(float(q.get("log_lag", "0")), MAX_GAP))
         auth = self.headers.get("Authorization", "")
         key = (auth[7:] if auth.lower().startswith("bearer ") else auth).encode("latin-1", "replace")
         self.server.log.write("request", marker=marker, key_sha256=hashlib.sha256(key).hexdigest())
@@ -104,9 +108,17 @@ class Handler(BaseHTTPRequestHandler):
             for part, piece in enumerate(pieces):
                 if part:
                     time.sleep(gap)
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-                self.wfile.flush()
-                self.server.log.write("sent", marker=marker, index=index, part=part)
+                try:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    self.wfile.flush()
+                except OSError as e:     # said in the log (a test names what cut its stream), then the usual
+                    self.server.log.write("write_failed", marker=marker, index=index, part=part,
+                                          error=f"{type(e).__name__}: {e}")
+                    raise
+                written = time.time()
+                if log_lag and index == len(writes) - 1:
+                    time.sleep(log_lag)
+                self.server.log.write("sent", marker=marker, index=index, part=part, t=written)
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
         self.close_connection = True
