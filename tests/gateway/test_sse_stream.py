@@ -128,7 +128,8 @@ def test_event_stream_reaches_the_sandbox_event_by_event_and_scrubbed(env, mode)
     sb = env.sandbox(mode, SANDBOX)
     sock = sb.tls(NAME if mode == "explicit" else IP, sni=NAME)
     try:
-        sock.sendall(f"GET /events/{marker}?n={EVENTS}&gap={GAP}&echo={ECHO}&split={SPLIT}&log_lag={LOG_LAG} HTTP/1.1\r\n"
+        query = f"n={EVENTS}&gap={GAP}&echo={ECHO}&split={SPLIT}&log_lag={LOG_LAG}"
+        sock.sendall(f"GET /events/{marker}?{query} HTTP/1.1\r\n"
                      f"Host: {NAME}\r\nAccept: text/event-stream\r\nConnection: close\r\n\r\n".encode())
         reads = _read_stream(sock)
     finally:
@@ -151,10 +152,10 @@ def test_event_stream_reaches_the_sandbox_event_by_event_and_scrubbed(env, mode)
         "the key was not injected: the test would prove nothing"
     sent = _sent(log)
     closes = [r for r in env.gw.audit_records() if r.get("sandbox") == SANDBOX and r["event"] == "connection_closed"]
+    failed = [e for e in log if e["event"] == "write_failed"]
     assert len(sent) == EVENTS + 1, (f"the upstream sent {len(sent)} of {EVENTS + 1} events: missing "
                                      f"{sorted(set(range(EVENTS + 1)) - set(sent))}; the sandbox read {len(wire)} bytes "
-                                     f"ending {wire[-80:]!r}; upstream errors {[e for e in log if e['event'] == 'write_failed']}; "
-                                     f"last closes {closes[-2:]}")
+                                     f"ending {wire[-80:]!r}; upstream errors {failed}; last closes {closes[-2:]}")
 
     assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head.lower(), head[:300]
     assert len(arrived) == EVENTS + 1, f"got {len(arrived)} events: {body[-300:]!r}"
