@@ -135,3 +135,38 @@ def is_websocket_upgrade(request_headers, response) -> bool:
     return (response.status_code == 101
             and response.headers.get("upgrade", "").lower() == "websocket"
             and request_headers.get("sec-websocket-version", "") == "13")
+
+
+# Where common frameworks read a method that replaces the request line's: Google APIs, Azure,
+# Symfony (X-HTTP-Method-Override), OData (X-HTTP-Method), Express method-override
+# (X-Method-Override), Rails/Rack/Laravel (`_method` in the query).
+METHOD_OVERRIDE_HEADERS = (b"x-http-method-override", b"x-http-method", b"x-method-override")
+METHOD_OVERRIDE_PARAM = b"_method"
+_METHOD_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,32}")
+
+
+def names_method_override(fields: Iterable[tuple[bytes, bytes]], target: bytes) -> bool:
+    """Cheap pre-check (the fast path's hand-over): could this head name a method override?"""
+    return (METHOD_OVERRIDE_PARAM in target.lower()
+            or any(n.lower() in METHOD_OVERRIDE_HEADERS for n, _ in fields))
+
+
+def method_override(method: str, fields: Iterable[tuple[bytes, bytes]],
+                    query: Iterable[tuple[str, str]]) -> str | None | Refusal:
+    """The other method this request names for an upstream that honours overrides (None: none).
+
+    An upstream that honours one runs that method instead of the request line's, so the gateway
+    decides (policy and credential binding) for both. Two different override methods, or one that
+    is not a method token, are refused: which one a server takes is its own choice."""
+    named = [v.decode("latin-1") for n, v in fields if n.lower() in METHOD_OVERRIDE_HEADERS]
+    named += [v for k, v in query if k.lower() == METHOD_OVERRIDE_PARAM.decode()]
+    others = set()
+    for value in named:
+        m = value.strip()
+        if not _METHOD_TOKEN.fullmatch(m):
+            return Refusal(400, "bad_method_override", "a method override that is not one HTTP method")
+        if m.upper() != method.upper():
+            others.add(m.upper())
+    if len(others) > 1:
+        return Refusal(400, "ambiguous_method_override", f"the request names {len(others)} override methods")
+    return others.pop() if others else None
