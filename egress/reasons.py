@@ -119,6 +119,12 @@ _ALL = (
            "Connection names a framing header (Content-Length, Transfer-Encoding, Host, Trailer)"),
     Reason("pipelined_request_refused", "gateway", "deny", (400,),
            "a request that needs interception arrived pipelined behind another: its raw bytes are not known"),
+    Reason("sni_changed_on_retry", "gateway", "deny", (),
+           "passthrough TLS: the ClientHello after a HelloRetryRequest names another server (or one unread)"),
+    Reason("tls_handshake_unreadable", "gateway", "deny", (),
+           "passthrough TLS: the first hello or the server's first record cannot be framed, or the second hello read"),
+    Reason("tls_handshake_held_too_long", "gateway", "deny", (),
+           "passthrough TLS: over 64 KiB from the client before the server's first handshake message"),
     Reason("upstream_invalid_response", "gateway", "deny", (502,),
            "fast plain-HTTP path: the upstream's response cannot be framed one way (cut, bad chunk, huge head, 101)"),
     # ---- gateway: credentials and bodies

@@ -10,12 +10,22 @@ other.allowed.test for GET only.
 """
 from __future__ import annotations
 
+import json
+import socket
+import ssl
+import struct
+import subprocess
+import sys
 import time
 
 import pytest
 
+from testbed import netns
+from testbed.serving import spawn_upstream
 from tests.gateway import hostile_env as he
+from tests.gateway import rawclient
 from tests.gateway.switchlab import switch_lab
+from tests.gateway.test_attack_pass_6 import _client_hello, _with_server_names
 
 pytestmark = pytest.mark.netns
 
@@ -28,7 +38,8 @@ default: deny
 rules:
   - name: lab
     action: allow
-    match: {hosts: [hostile.allowed.test, other.allowed.test, sink.allowed.test], ports: [443, 80]}
+    match: {hosts: [hostile.allowed.test, other.allowed.test, sink.allowed.test, retry.allowed.test,
+                    tls13.allowed.test], ports: [443, 80]}
   - name: no-delete
     action: deny
     match: {hosts: [hostile.allowed.test, sink.allowed.test], ports: [443, 80], methods: [DELETE]}
@@ -46,12 +57,94 @@ def _setup_vault(gw) -> None:
            "--header", "Authorization", "--format", "Bearer {secret}")
 
 
+RETRY_HOST, RETRY_IP = "retry.allowed.test", "198.18.0.71"   # no binding: TLS passthrough
+TLS13_HOST, TLS13_IP = "tls13.allowed.test", "198.18.0.72"   # openssl s_server, X25519 only
+DENIED = "evil.denied.test"
+
+# A TLS 1.3 server's first round trip, no more: it answers every ClientHello with a
+# HelloRetryRequest and logs (JSON lines) the first hello's random and every byte that follows.
+RETRY_SERVER = r"""
+import json, socket, sys, threading
+HRR_RANDOM = bytes.fromhex("cf21ad74e59a6111be1d8c021e65b891c2a211167abb8c5e079e09e2c8a8339c")
+LOG = open(sys.argv[2], "a", buffering=1)
+lock = threading.Lock()
+def read_exact(c, n):
+    buf = b""
+    while len(buf) < n:
+        d = c.recv(n - len(buf))
+        if not d:
+            raise EOFError
+        buf += d
+    return buf
+def serve(c):
+    with c:
+        c.settimeout(3)
+        try:
+            head = read_exact(c, 5)
+            hello = head + read_exact(c, int.from_bytes(head[3:5], "big"))
+            sid = hello[44:44 + hello[43]]
+            exts = bytes.fromhex("002b00020304") + bytes.fromhex("003300020017")
+            body = b"\x03\x03" + HRR_RANDOM + bytes([len(sid)]) + sid + b"\x13\x01\x00" + len(exts).to_bytes(2, "big") + exts
+            hs = b"\x02" + len(body).to_bytes(3, "big") + body
+            c.sendall(b"\x16\x03\x03" + len(hs).to_bytes(2, "big") + hs + bytes.fromhex("140303000101"))
+            rest = b""
+            c.settimeout(1.5)
+            while True:
+                d = c.recv(65536)
+                if not d:
+                    break
+                rest += d
+        except (EOFError, OSError):
+            rest = locals().get("rest", b"")
+            if "hello" not in locals():
+                return
+        with lock:
+            LOG.write(json.dumps({"random": hello[11:43].hex(), "after": rest.hex()}) + "\n")
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 443)); s.listen(64)
+print("READY", flush=True)
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"""
+
+
+def _wait_listening(addr: tuple[str, int], limit: float = 10.0) -> None:
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            socket.create_connection(addr, 1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def env(lab, tmp_path_factory):
     hostile = he.ensure_hostile(lab)
-    with switch_lab(lab, tmp_path_factory.mktemp("attack7"), POLICY, sandbox=he.SANDBOX, tport=TPORT,
-                    prefix="a7", before_start=_setup_vault) as (gw, sw, net):
-        yield he.Env(gw, sw, net, hostile, "")
+    tmp = tmp_path_factory.mktemp("attack7")
+    retry_log = tmp / "retry.jsonl"
+    retry_log.write_text("")
+    lab.add_host(RETRY_HOST, RETRY_IP)
+    popen = spawn_upstream(lab, [sys.executable, "-c", RETRY_SERVER, RETRY_IP, str(retry_log)], "retry")
+    lab.add_host(TLS13_HOST, TLS13_IP)
+    cert, key = lab.ca.issue([TLS13_HOST], stem="a7-tls13")
+    server = lab.spawn_net(["openssl", "s_server", "-accept", f"{TLS13_IP}:443", "-cert", cert, "-key", key,
+                            "-tls1_3", "-groups", "X25519", "-rev"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    netns.call_in_netns(lab.net_ns, _wait_listening, (TLS13_IP, 443), timeout=15)
+    try:
+        with switch_lab(lab, tmp, POLICY, sandbox=he.SANDBOX, tport=TPORT,
+                        prefix="a7", before_start=_setup_vault) as (gw, sw, net):
+            e = he.Env(gw, sw, net, hostile, "")
+            e.retry_log = retry_log
+            yield e
+    finally:
+        for p in (popen, server):
+            p.kill()
+            p.wait(5)
 
 
 def _upstream_got(env, marker: str) -> list[dict]:
@@ -165,3 +258,126 @@ def test_method_override_reads_every_carrier(method, fields, query, want):
     from egress.http_checks import Refusal, method_override
     got = method_override(method, fields, query)
     assert (got.reason if isinstance(got, Refusal) else got) == want
+
+
+# ------------------------------------------------------------- HelloRetryRequest in passthrough
+def _tunnel(sb: he.Sandbox, host: str, ip: str) -> socket.socket:
+    if sb.mode == "transparent":
+        return sb.connect((ip, 443))
+    s = sb.connect(sb.proxy_addr)
+    s.sendall(f"CONNECT {host}:443 HTTP/1.1\r\nHost: {host}:443\r\n{sb.auth}\r\n\r\n".encode())
+    assert rawclient.connect_status(rawclient.read_head(s)) == 200
+    return s
+
+
+def _read_record(sock: socket.socket) -> bytes:
+    head = b""
+    while len(head) < 5:
+        d = sock.recv(5 - len(head))
+        if not d:
+            return head
+        head += d
+    body, n = b"", struct.unpack("!H", head[3:5])[0]
+    while len(body) < n:
+        d = sock.recv(n - len(body))
+        if not d:
+            break
+        body += d
+    return head + body
+
+
+def _after_retry(env, hello: bytes, timeout: float = 4.0) -> bytes | None:
+    """What the upstream read after its HelloRetryRequest on the connection of `hello` (None: no such connection)."""
+    want = hello[11:43].hex()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in env.retry_log.read_text().splitlines():
+            rec = json.loads(line)
+            if rec["random"] == want:
+                return bytes.fromhex(rec["after"])
+        time.sleep(0.1)
+    return None
+
+
+CCS = bytes.fromhex("140303000101")
+
+
+def _retry_exchange(env, mode: str, second_sni: str, *, pipelined: bool) -> tuple[bytes, bytes, bytes | None]:
+    """CH1 for RETRY_HOST; CH2 (CCS first, as clients in compatibility mode send it) naming
+    `second_sni`, after the retry request or in the same write as CH1. (CH1, what came back, what
+    the upstream read after its retry request.)"""
+    sb = env.sandbox(mode)
+    hello = _client_hello(RETRY_HOST)
+    second = CCS + _with_server_names(hello, [(0, second_sni.encode())])
+    sock = _tunnel(sb, RETRY_HOST, RETRY_IP)
+    got = b""
+    try:
+        sock.settimeout(3)
+        sock.sendall(hello + second if pipelined else hello)
+        try:
+            got = _read_record(sock)
+            if not pipelined and got[:1] == b"\x16":
+                sock.sendall(second)
+            sock.settimeout(2)
+            while (d := sock.recv(65536)):
+                got += d
+        except (OSError, TimeoutError):
+            pass
+    finally:
+        sock.close()
+    return hello, got, _after_retry(env, hello)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["after-retry", "pipelined"])
+@pytest.mark.parametrize("mode", he.MODES)
+def test_the_hello_after_a_retry_request_cannot_name_another_server(env, mode, pipelined):
+    """FINDING: in TLS passthrough the gateway read the first ClientHello only. A server that asks
+    for a retry (HelloRetryRequest) acts on the second, and a hostile client names another server
+    there (behind one CDN address: another site). Now, in passthrough, every client byte after the
+    first hello waits until the server's first message is known; after a retry request the second
+    hello must name the same server: here it does not, the connection is reset (sni_changed_on_retry)
+    and the upstream never reads the other name (nor, sent with the first hello, anything after it)."""
+    def refusals() -> int:
+        return sum(1 for r in env.gw.audit_records() if r["event"] == "decision"
+                   and r.get("reason") == "sni_changed_on_retry" and r.get("sni") == RETRY_HOST)
+    before = refusals()
+    hello, got, after = _retry_exchange(env, mode, DENIED, pipelined=pipelined)
+    assert got[:1] == b"\x16" and HRR_RANDOM_HEX in got.hex(), f"no retry request came back: {got[:60]!r}"
+    assert after is not None, "the upstream logged no connection for this hello"
+    assert DENIED.encode() not in after, "the second hello naming another server reached the upstream"
+    deadline = time.monotonic() + 3
+    while refusals() == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert refusals() == before + 1, [r for r in env.gw.audit_records() if r.get("sni") == RETRY_HOST][-3:]
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["after-retry", "pipelined"])
+@pytest.mark.parametrize("mode", he.MODES)
+def test_a_second_hello_naming_the_same_server_is_relayed(env, mode, pipelined):
+    """HOLDS (and the fix keeps it): a retry's second hello for the same name goes upstream whole."""
+    hello, got, after = _retry_exchange(env, mode, RETRY_HOST.upper(), pipelined=pipelined)
+    assert after is not None and after.startswith(CCS) and RETRY_HOST.upper().encode() in after, after
+
+
+
+@pytest.mark.parametrize("mode", he.MODES)
+def test_a_real_tls13_handshake_with_a_retry_request_completes(env, mode):
+    """HOLDS (and the fix keeps it): OpenSSL's client offers a P-256 key share first, the X25519-only
+    server asks for a retry, the client's second hello names the same server: the handshake
+    completes through the passthrough (verified against the lab CA)."""
+    sb = env.sandbox(mode)
+    argv = ["openssl", "s_client", "-servername", TLS13_HOST, "-groups", "P-256:X25519", "-tls1_3",
+            "-CAfile", str(env.gw.lab.ca.bundle_path), "-verify_return_error", "-msg", "-brief"]
+    if mode == "explicit":
+        user, token = sb.sandbox, env.gw.tokens[sb.sandbox]
+        argv += ["-connect", f"{TLS13_HOST}:443", "-proxy", "%s:%d" % sb.proxy_addr,
+                 "-proxy_user", user, "-proxy_pass", f"pass:{token}"]
+    else:
+        argv += ["-connect", f"{TLS13_IP}:443"]
+    out = netns.run(sb.ns, argv, input="retried-hello\n", capture_output=True, timeout=20, check=False)
+    text = out.stdout + out.stderr
+    assert text.count("ClientHello") >= 2, f"no retry happened: the test would prove nothing\n{text[-1500:]}"
+    assert "CONNECTION ESTABLISHED" in text and "Verification: OK" in text, text[-1500:]
+
+
+HRR_RANDOM_HEX = "cf21ad74e59a6111be1d8c021e65b891c2a211167abb8c5e079e09e2c8a8339c"
