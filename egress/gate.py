@@ -770,8 +770,7 @@ class PolicyGate:
         _drop_headers(flow.request.headers, PROXY_ONLY_HEADERS)
         override = None
         if refusal is None and decision is not None and decision.action == "allow":
-            override = method_override(flow.request.method, flow.request.headers.fields,
-                                       flow.request.query.items(multi=True))
+            override = method_override(flow.request.method, flow.request.headers.fields, flow.request.path)
             if isinstance(override, Refusal):
                 refusal, override = override, None
             elif override is not None:

@@ -244,20 +244,39 @@ def test_a_get_bound_key_is_injected_when_the_override_names_get(env, mode):
     he.injected_request(env.hostile, m, he.KEY_B)
 
 
-@pytest.mark.parametrize("method, fields, query, want", [
-    ("GET", [], [], None),
-    ("POST", [(b"X-HTTP-Method-Override", b" delete ")], [], "DELETE"),
-    ("POST", [(b"x-http-method-override", b"POST")], [("_METHOD", "post")], None),   # the same method
-    ("POST", [(b"X-Method-Override", b"PUT")], [("_method", "put")], "PUT"),        # one other method, twice
-    ("POST", [(b"X-HTTP-Method", b"PUT")], [("_method", "PATCH")], "ambiguous_method_override"),
-    ("POST", [(b"X-HTTP-Method", b"PUT, DELETE")], [], "bad_method_override"),
-    ("POST", [], [("_method", "")], "bad_method_override"),
+@pytest.mark.parametrize("method, fields, target, want", [
+    ("GET", [], "/a?method=DELETE&x_method=PUT", None),
+    ("POST", [(b"X-HTTP-Method-Override", b" delete ")], "/", "DELETE"),
+    ("POST", [(b"x-http-method-override", b"POST")], "/?_METHOD=post", None),     # the same method
+    ("POST", [(b"X-Method-Override", b"PUT")], "/?_method=put", "PUT"),          # one other method, twice
+    ("POST", [(b"X-HTTP-Method", b"PUT")], "/?_method=PATCH", "ambiguous_method_override"),
+    ("POST", [(b"X-HTTP-Method", b"PUT, DELETE")], "/", "bad_method_override"),
+    ("POST", [], "/?_method=", "bad_method_override"),
+    ("POST", [], "/?a=1;_method=DELETE", "DELETE"),                             # ';' as a separator
+    ("POST", [], "/?%5Fmethod=DELETE", "DELETE"),                               # an encoded name
+    ("POST", [], "/?_method%20=%44ELETE", "DELETE"),
 ])
-def test_method_override_reads_every_carrier(method, fields, query, want):
-    """The pure reading behind the tests above (egress.http_checks.method_override)."""
-    from egress.http_checks import Refusal, method_override
-    got = method_override(method, fields, query)
+def test_method_override_reads_every_carrier(method, fields, target, want):
+    """The pure reading behind the tests above (egress.http_checks.method_override), and the fast
+    path's pre-check agrees with it on every row."""
+    from egress.http_checks import Refusal, method_override, names_method_override
+    got = method_override(method, fields, target)
     assert (got.reason if isinstance(got, Refusal) else got) == want
+    if want is not None:
+        assert names_method_override(fields, target.encode())
+
+
+@pytest.mark.parametrize("mode", he.MODES)
+@pytest.mark.parametrize("query", ["?%5Fmethod=DELETE", "?a=1;_method=DELETE"], ids=["encoded", "semicolon"])
+def test_a_method_override_in_another_spelling_is_decided_too(env, mode, query):
+    """FINDING (same class, found while fixing it): the fast path's pre-check looked for the bytes
+    `_method` and the gate read mitmproxy's parsed query ('&' only): `%5Fmethod=` and `;_method=`
+    (both read as _method by some servers) were decided as plain POSTs."""
+    sb = env.sandbox(mode)
+    m = he.new_marker("a7e")
+    r = sb.get("http", he.SINK, f"/{m}{query}", method="POST", body=b"")
+    assert (r.status, r.reason) == (403, "rule_deny"), r
+    assert _upstream_got(env, m) == []
 
 
 # ------------------------------------------------------------- HelloRetryRequest in passthrough
