@@ -400,3 +400,40 @@ def test_a_real_tls13_handshake_with_a_retry_request_completes(env, mode):
 
 
 HRR_RANDOM_HEX = "cf21ad74e59a6111be1d8c021e65b891c2a211167abb8c5e079e09e2c8a8339c"
+
+
+# ------------------------------------------------------------- CONNECT inside an intercepted tunnel
+@pytest.mark.parametrize("mode", he.MODES)
+def test_a_connect_inside_an_intercepted_http1_tunnel_opens_nothing(env, mode):
+    """HOLDS: a CONNECT sent inside the TLS the gateway intercepts (to reach another host through
+    the tunnel decided for this one) is refused; nothing reaches the other host."""
+    sb = env.sandbox(mode)
+    m = he.new_marker("a7c")
+    raw = (f"CONNECT {he.SINK}:80 HTTP/1.1\r\nHost: {he.SINK}:80\r\n\r\n"
+           f"GET /{m} HTTP/1.1\r\nHost: {he.SINK}\r\nConnection: close\r\n\r\n").encode()
+    r = sb.exchange("https", he.H, raw)
+    assert r.status != 200, r
+    assert _upstream_got(env, m) == []
+
+
+@pytest.mark.parametrize("mode", he.MODES)
+@pytest.mark.parametrize("shape", ["connect", "extended-connect"])
+def test_a_connect_stream_inside_an_intercepted_http2_tunnel_opens_nothing(env, mode, shape):
+    """HOLDS: an HTTP/2 CONNECT stream (RFC 9113 8.5: :authority is the tunnel's target) or an
+    extended CONNECT (RFC 8441 :protocol, not offered by the gateway) inside an intercepted h2
+    connection gets no tunnel to another host."""
+    sb = env.sandbox(mode)
+    m = he.new_marker("a7x")
+    if shape == "connect":
+        headers = [(":method", "CONNECT"), (":authority", f"{he.SINK}:80")]
+    else:
+        headers = [(":method", "CONNECT"), (":protocol", "websocket"), (":scheme", "https"),
+                   (":path", f"/{m}"), (":authority", he.SINK)]
+    body = f"GET /{m} HTTP/1.1\r\nHost: {he.SINK}\r\n\r\n".encode()
+    try:
+        r = sb.h2(he.H, headers, body=body, timeout=3)
+        status = r.status
+    except (OSError, ssl.SSLError):
+        status = 0
+    assert not 200 <= status < 300, r
+    assert _upstream_got(env, m) == []
