@@ -49,7 +49,9 @@ class VaultCredentials:
             return True
 
     # -- request headers stage -----------------------------------------------
-    def on_request(self, flow: http.HTTPFlow, conn, scheme: str) -> Refusal | dict | None:
+    def on_request(self, flow: http.HTTPFlow, conn, scheme: str,
+                   override: str | None = None) -> Refusal | dict | None:
+        """`override`: the other method the request names (egress.http_checks.method_override)."""
         decision = conn.decision
         tenant = _tenant(decision.tenant if decision else None)
         sandbox = conn.identity.sandbox_id
@@ -57,6 +59,15 @@ class VaultCredentials:
         injection = self._resolve(tenant, scheme, conn, req.method, req.path)
         if isinstance(injection, Refusal):
             return injection
+        if injection is not None and override is not None:
+            # an upstream that honours the override runs that method with the key: the same
+            # binding must cover it
+            other = self._resolve(tenant, scheme, conn, override, req.path)
+            if isinstance(other, Refusal):
+                return other
+            if other is None or other.binding_id != injection.binding_id:
+                return Refusal(403, "method_override_binding",
+                               f"binding {injection.binding_id!r} does not cover the override method {override}")
         refusal = self._leak_check(flow, conn, tenant, sandbox, _header_blob(req), injection, "headers")
         if refusal is not None:
             return refusal

@@ -29,7 +29,7 @@ from egress import hook_guard, mitm_internals, netguard
 from egress.bodies import (BodyLimits, BodyRefused, BufferBudget, RefusedResponseStream, RequestLeakStream,
                            ResponseScrubStream, check_request_body, content_encoding, make_decoder,
                            scrub_response_body)
-from egress.http_checks import (PROXY_ONLY_HEADERS, Refusal, check_framing, check_header_limits,
+from egress.http_checks import (PROXY_ONLY_HEADERS, Refusal, check_framing, check_header_limits, method_override,
                                 check_request_authority, is_websocket_upgrade, transparent_host)
 from egress.conn_state import ConnectionClaims, ConnState
 from egress.destination import AGENT_HOST, connected_refusal, decide_destination, keep_undenied, needs_interception
@@ -54,7 +54,8 @@ class CredentialHook(Protocol):
 
     def needs_interception(self, tenant: str | None, host: str, port: int) -> bool: ...
 
-    def on_request(self, flow: http.HTTPFlow, conn: "ConnState", scheme: str) -> Refusal | dict | None: ...
+    def on_request(self, flow: http.HTTPFlow, conn: "ConnState", scheme: str,
+                   override: str | None = None) -> Refusal | dict | None: ...
 
     def request_needles(self, flow: http.HTTPFlow, conn: "ConnState") -> Any: ...   # vault.Needles | Refusal
 
@@ -75,7 +76,7 @@ class NoCredentials:
     def needs_interception(self, tenant, host, port) -> bool:
         return False
 
-    def on_request(self, flow, conn, scheme):
+    def on_request(self, flow, conn, scheme, override=None):
         return None
 
     def request_needles(self, flow, conn):
@@ -767,12 +768,19 @@ class PolicyGate:
                         method=flow.request.method, path=flow.request.path)
                     st.kind = "http"
         _drop_headers(flow.request.headers, PROXY_ONLY_HEADERS)
+        override = None
+        if refusal is None and decision is not None and decision.action == "allow":
+            override = method_override(flow.request.method, flow.request.headers.fields, flow.request.path)
+            if isinstance(override, Refusal):
+                refusal, override = override, None
+            elif override is not None:
+                decision = self._stricter_for_override(st, decision, scheme, override, flow.request.path)
         if refusal is None and decision is not None and decision.action != "allow":
             refusal = records.policy_refusal(decision)
         injected = None
         if refusal is None and decision is not None:
             st.decision = decision  # the request-level decision (tenant, rule) is the one in force
-            out = self.credentials.on_request(flow, st, scheme)
+            out = self.credentials.on_request(flow, st, scheme, override)
             if isinstance(out, Refusal):
                 refusal = out
             else:
@@ -793,6 +801,16 @@ class PolicyGate:
             self._respond_before_body(flow, st, refusal, decision)
         else:
             flow.metadata["cubegate_t0"] = time.perf_counter()
+
+    def _stricter_for_override(self, st: ConnState, decision: Decision, scheme: str, override: str,
+                               path: str) -> Decision:
+        """An allowed request that names another method (X-HTTP-Method-Override and kin) is a
+        request for that method to an upstream that honours it: it is allowed only if that method
+        is too. Same destination (st.host/port, decided already), same policy object."""
+        other = self.policies.current.decide(RequestInfo(
+            sandbox_id=st.identity.sandbox_id, labels=st.identity.labels, host=st.host, port=st.port,
+            scheme=scheme, method=override, path=path, is_ip_literal=st.ip_literal))
+        return other if other.action != "allow" or (other.would_deny and not decision.would_deny) else decision
 
     def _respond_before_body(self, flow: http.HTTPFlow, st: ConnState, refusal: Refusal,
                              decision: Decision | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Iterable
+from urllib.parse import unquote, unquote_plus
 
 # Headers that only mean something between the sandbox and us.
 PROXY_ONLY_HEADERS = ("proxy-authorization", "proxy-connection")
@@ -135,3 +136,52 @@ def is_websocket_upgrade(request_headers, response) -> bool:
     return (response.status_code == 101
             and response.headers.get("upgrade", "").lower() == "websocket"
             and request_headers.get("sec-websocket-version", "") == "13")
+
+
+# Where common frameworks read a method that replaces the request line's: Google APIs, Azure,
+# Symfony (X-HTTP-Method-Override), OData (X-HTTP-Method), Express method-override
+# (X-Method-Override), Laravel/Symfony/Express (`_method` in the query).
+METHOD_OVERRIDE_HEADERS = (b"x-http-method-override", b"x-http-method", b"x-method-override")
+_METHOD_PARAM = "_method"
+_QUERY_SEPARATORS = re.compile(r"[&;]")     # ';' too: some servers split on it
+_METHOD_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,32}")
+
+
+def _query_overrides(target: str) -> list[str]:
+    """Every `_method` value of the target's query, read as loosely as any server reads it
+    (percent- and plus-decoded name, any case, '&' or ';' between pairs)."""
+    query = target.partition("?")[2]
+    if "_" not in unquote(query):
+        return []
+    out = []
+    for pair in _QUERY_SEPARATORS.split(query):
+        name, _, value = pair.partition("=")
+        if unquote_plus(name).strip().lower() == _METHOD_PARAM:
+            out.append(unquote_plus(value))
+    return out
+
+
+def names_method_override(fields: Iterable[tuple[bytes, bytes]], target: bytes) -> bool:
+    """Does this head name a method override? (The fast path hands such requests to the gate.)"""
+    return (any(n.lower() in METHOD_OVERRIDE_HEADERS for n, _ in fields)
+            or bool(_query_overrides(target.decode("latin-1"))))
+
+
+def method_override(method: str, fields: Iterable[tuple[bytes, bytes]], target: str) -> str | None | Refusal:
+    """The other method this request names for an upstream that honours overrides (None: none).
+
+    An upstream that honours one runs that method instead of the request line's, so the gateway
+    decides (policy and credential binding) for both. Two different override methods, or one that
+    is not a method token, are refused: which one a server takes is its own choice."""
+    named = [v.decode("latin-1") for n, v in fields if n.lower() in METHOD_OVERRIDE_HEADERS]
+    named += _query_overrides(target)
+    others = set()
+    for value in named:
+        m = value.strip()
+        if not _METHOD_TOKEN.fullmatch(m):
+            return Refusal(400, "bad_method_override", "a method override that is not one HTTP method")
+        if m.upper() != method.upper():
+            others.add(m.upper())
+    if len(others) > 1:
+        return Refusal(400, "ambiguous_method_override", f"the request names {len(others)} override methods")
+    return others.pop() if others else None

@@ -6,11 +6,13 @@ binding, secret id, version and fingerprint.
 from __future__ import annotations
 
 import base64
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Iterable
 
 from . import forms as _forms
+from .errors import SecretUnavailable
 from .scan import ScrubForms
 
 KINDS = ("header", "query", "basic")
@@ -84,8 +86,19 @@ class Injection:
         return _forms.contains_any(_forms.as_bytes(data), self.value_forms)
 
 
+# The write rule (vault.core._check_value) for every kind; a header's value as RFC 9110 field-value
+# (VCHAR, obs-text, SP, HTAB): no other control byte.
+_FRAMING_BYTES = re.compile(rb"[\r\n\x00]").search
+_NOT_FIELD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]").search
+
+
 def build_injection(*, binding_id: str, secret_id: str, version: int, fingerprint: str,
                     inject: dict, value: bytes) -> Injection:
+    """Raises SecretUnavailable for a stored value that would break what it is put into: the store
+    may hold one the write path never checked (an older version, a restore, a hand-written file)."""
+    where = f"secret {secret_id} version {version} (binding {binding_id!r})"
+    if _FRAMING_BYTES(value):
+        raise SecretUnavailable(f"{where} holds CR, LF or NUL: never injected")
     text = value.decode("utf-8", "surrogateescape")
     kind = inject["type"]
     extra: tuple[bytes, ...] = ()
@@ -99,6 +112,8 @@ def build_injection(*, binding_id: str, secret_id: str, version: int, fingerprin
         name, wire = inject["name"], text
     else:  # validated at creation; defensive
         raise ValueError(f"unknown injection type {kind!r}")
+    if kind == "header" and _NOT_FIELD_VALUE(wire):
+        raise SecretUnavailable(f"{where} holds a control byte a header value cannot carry: never injected")
     return Injection(binding_id=binding_id, secret_id=secret_id, version=version,
                      fingerprint=fingerprint, kind=kind, name=name, _wire_value=wire,
                      value_forms=_forms.value_forms(value, extra))

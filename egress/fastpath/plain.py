@@ -16,7 +16,8 @@ and are re-framed the same way. Bodies stream with backpressure both ways.
 Handed to mitmproxy (the gate decides and audits it) when this path does not implement
 what the request needs: a host with credential bindings or method/path rules that need
 interception, Upgrade/WebSocket, HTTP/1.0 and older, Expect other than 100-continue,
-cubegate.internal, other request-target forms. That happens at a request boundary, with
+cubegate.internal, a method override (X-HTTP-Method-Override and kin: decided for both
+methods there), other request-target forms. That happens at a request boundary, with
 the request's raw bytes replayed; a request that needs it but whose raw bytes are gone
 (pipelined behind another in one read) is refused instead. Anything ambiguous is refused
 with the gate's deny shape (audited) and the connection closed.
@@ -39,7 +40,7 @@ from egress.destination import (AGENT_HOST, MAX_CACHED_HOST, connected_refusal, 
 from egress.fastpath import http1
 from egress.fastpath.dial import dial
 from egress.fastpath.request_decisions import RequestDecisionCache
-from egress.http_checks import (PROXY_ONLY_HEADERS, Refusal, check_framing, check_header_limits,
+from egress.http_checks import (PROXY_ONLY_HEADERS, Refusal, check_framing, check_header_limits, names_method_override,
                                 check_request_authority, split_host_port, transparent_host)
 from egress.policy import normalize_host
 from egress.revocation import OpenConnection
@@ -200,6 +201,8 @@ def needs_mitmproxy(head: http1.RequestHead, *, transparent: bool) -> bool:
     if b"upgrade" in head.by_name or any(b"upgrade" in v.lower() for v in head.get_all(b"connection")) \
             or any(v.strip().lower() != b"100-continue" for v in head.get_all(b"expect")):
         return True
+    if names_method_override(head.headers, head.target):
+        return True     # decided for both methods by the gate (egress.gate._stricter_for_override)
     t = head.target
     if transparent:
         return not (t.startswith(b"/") or t[:7].lower() == b"http://")

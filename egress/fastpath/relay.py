@@ -24,8 +24,14 @@ LOW_WATER = 64 * 1024
 class Relay:
     """Owns the two sides; `done` is set once both transports are closed."""
 
-    def __init__(self, client_transport, on_bytes_out, on_bytes_in, idle_timeout: float | None) -> None:
+    def __init__(self, client_transport, on_bytes_out, on_bytes_in, idle_timeout: float | None,
+                 hello_check=None, on_refused=None) -> None:
+        """`hello_check`: an egress.fastpath.retry_hello.RetryHelloCheck watching the TLS handshake's
+        first round trip; `on_refused(reason)` is called once when it refuses (both sides reset)."""
         self.loop = asyncio.get_running_loop()
+        self.check = hello_check
+        self._on_refused = on_refused
+        self.on_checked = None     # called once the check let bytes flow unwatched
         self.done = self.loop.create_future()
         self.client = _Side(self, client_transport, on_bytes_out)
         self.upstream: _Side | None = None
@@ -46,12 +52,19 @@ class Relay:
         c.transport.set_protocol(c)
         c.transport.set_write_buffer_limits(HIGH_WATER, LOW_WATER)
         u.transport.set_write_buffer_limits(HIGH_WATER, LOW_WATER)
+        if self.check is not None:
+            first = self.check.first_flight(first)
+            if self.checked():
+                return
         if first:
             u.transport.write(first)
         if u.early:
-            c.transport.write(bytes(u.early))
+            early = bytes(u.early)
             u.early.clear()
+            c.transport.write(early)
             u.transport.resume_reading()
+            if self.check is not None and self._release(self.check.from_upstream(early)):
+                return
         if u.eof_pending:
             u.eof_received()
         if u.lost:
@@ -61,6 +74,34 @@ class Relay:
         c.transport.resume_reading()
         if self.idle_timeout:
             self._idle_handle = self.loop.call_later(self.idle_timeout, self._idle_check)
+
+    def checked(self) -> bool:
+        """After the check saw bytes: True when it refused (the relay is reset). Once it is done,
+        on_checked runs (once) and the check is dropped."""
+        check = self.check
+        if check.state == "refused":
+            self.check = None
+            self.abort()
+            if self._on_refused is not None:
+                self._on_refused(check.reason)
+            return True
+        if check.state == "done":
+            self.check = None
+            if self.on_checked is not None:
+                self.loop.call_soon(self.on_checked)
+        return False
+
+    def _release(self, data: bytes) -> bool:
+        """Send the client bytes the check released; True when it refused instead."""
+        u = self.upstream
+        if data and not u.transport.is_closing():
+            u.transport.write(data)
+        return self.checked()
+
+    def stop_idle_timer(self) -> None:
+        if self._idle_handle is not None:
+            self._idle_handle.cancel()
+            self._idle_handle = None
 
     def _idle_check(self) -> None:
         if self.done.done():
@@ -113,7 +154,19 @@ class _Side(asyncio.Protocol):
             self.early += data
             if len(self.early) > HIGH_WATER:
                 self.transport.pause_reading()
-        elif not peer.transport.is_closing():
+            return
+        check = self.relay.check
+        if check is not None:
+            if self is self.relay.client:
+                data = check.from_client(data)
+                if self.relay.checked() or not data:
+                    return
+            else:
+                if not peer.transport.is_closing():
+                    peer.transport.write(data)
+                self.relay._release(check.from_upstream(data))
+                return
+        if not peer.transport.is_closing():
             peer.transport.write(data)
 
     def eof_received(self) -> bool:
@@ -122,6 +175,9 @@ class _Side(asyncio.Protocol):
         if peer is None:
             self.eof_pending = True
             return True
+        if self.relay.check is not None and self is self.relay.client:
+            self.relay.abort()            # a half-close mid-handshake: held bytes cannot be ordered before it
+            return False
         if not peer.transport.is_closing():
             if peer.eof:                      # both halves closed: done
                 peer.transport.close()
@@ -181,8 +237,8 @@ class SpliceRelay:
     """
 
     def __init__(self, client_transport, on_bytes_out, on_bytes_in, idle_timeout: float | None,
-                 splicer, on_spliced=None) -> None:
-        self.user = Relay(client_transport, on_bytes_out, on_bytes_in, idle_timeout)
+                 splicer, on_spliced=None, hello_check=None, on_refused=None) -> None:
+        self.user = Relay(client_transport, on_bytes_out, on_bytes_in, idle_timeout, hello_check, on_refused)
         self.loop, self.done, self.client = self.user.loop, self.user.done, self.user.client
         self.splicer = splicer
         self.idle_timeout = idle_timeout
@@ -209,9 +265,22 @@ class SpliceRelay:
         return self.user.upstream_protocol()
 
     def start(self, first: bytes) -> None:
+        if self.user.check is not None:
+            # the kernel would move bytes the hello check must see first: userspace until it is done
+            self.user.on_checked = self._splice_checked
+            self.user.start(first)
+            return
         rest = self._splice(first)
         if rest is not None:
             self.user.start(rest)
+
+    def _splice_checked(self) -> None:
+        c, u = self.client, self.user.upstream
+        if c.eof or u.eof or c.lost or u.lost or self.done.done():
+            return                        # EOFs the userspace relay is ordering already: it keeps them
+        self._splice(b"")
+        if self.pair is not None:
+            self.user.stop_idle_timer()   # spliced: the idle timeout reads the kernel's counters
 
     # ------------------------------------------------------------- set-up
     def _splice(self, first: bytes) -> bytes | None:

@@ -35,6 +35,7 @@ from egress.fastpath.deny_memo import DenyMemo
 from egress.fastpath.dial import dial
 from egress.fastpath.listeners import listen_sockets
 from egress.fastpath.relay import Relay, SpliceRelay
+from egress.fastpath.retry_hello import RetryHelloCheck
 from egress.http_checks import Refusal
 from egress.metrics import LabelCache, MetricBatch
 from egress.policy import normalize_host
@@ -472,11 +473,18 @@ class FastPath:
         gate, st = self.gate, c.st
         st.kind = "passthrough"
         c.timer_cancel()
+        check = RetryHelloCheck(st.host, bool(st.sni), normalize_host)   # st.host: what the first hello named
+
+        def refused(reason: str) -> None:
+            st.denied_reason = reason
+            self._audit("decision", st, decision="deny", reason=reason, upstream=st.upstream)
+            self._count(st, "deny", reason, "sni")
+
         if self.splicer is not None:
             relay = SpliceRelay(c.transport, c.count_out, c.count_in, self.idle_timeout, self.splicer,
-                                on_spliced=self.outcomes("spliced").inc)
+                                on_spliced=self.outcomes("spliced").inc, hello_check=check, on_refused=refused)
         else:
-            relay = Relay(c.transport, c.count_out, c.count_in, self.idle_timeout)
+            relay = Relay(c.transport, c.count_out, c.count_in, self.idle_timeout, check, refused)
         d = await dial(relay.upstream_protocol, addresses, st.port, gate.connect_timeout, lambda: c.lost)
         transport, connected_ip = d.transport, d.ip
         if transport is None:
