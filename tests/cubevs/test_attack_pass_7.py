@@ -10,12 +10,20 @@ services. The same rule on 443 through the gateway is refused for those addresse
 from __future__ import annotations
 
 import ipaddress
+import os
+import socket
+import threading
+from contextlib import contextmanager, suppress
 
 import pytest
+from pyroute2 import IPRoute
 
 from cubegate.l4sync import l4_allow_for
 from egress.netguard import AddressGuard
 from egress.policy import load_policy_files
+
+from cubevs import netns
+from cubevs_lab import INET_IP
 
 NEVER_DIRECT = ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "169.254.0.0/16",
                 "127.0.0.0/8", "0.0.0.0/8", "224.0.0.0/4", "240.0.0.0/4", "198.18.0.0/15", "192.0.2.0/24"]
@@ -58,3 +66,72 @@ def test_the_gateways_own_listeners_are_no_direct_path(tmp_path):
     own = [e for e in entries if ipaddress.ip_address("203.0.114.7") in ipaddress.ip_network(e[0])]
     assert all(port not in (0, 8080) for _, port, _ in own), own
     assert any(ipaddress.ip_address("203.0.114.8") in ipaddress.ip_network(c) and p == 0 for c, p, _ in entries)
+
+
+# ------------------------------------------------------------------ the host's own addresses
+
+HOST_PORT = 5434
+LATE_ADDR = "203.0.113.77"       # an address the hub gets after the switch started (DHCP, an operator)
+
+
+@contextmanager
+def host_service(ns: str, ip: str, port: int):
+    """A TCP service of the host (the hub namespace) on ip:port, answering b"HOST"."""
+    from cubevs import netns as cnetns
+    with cnetns.entered(ns):
+        srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((ip, port))
+    srv.listen(8)
+    srv.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+            except (TimeoutError, OSError):
+                continue
+            with suppress(OSError):
+                c.sendall(b"HOST")
+            c.close()
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(2)
+        srv.close()
+
+
+def test_a_direct_path_never_delivers_to_the_hosts_own_addresses(lab):
+    """FINDING: the switch took as "the host" only the gateway address and the hub_addrs it
+    was given, and the daemon gives none. An L4 entry covering an address of the hub itself
+    (its uplink, the docker bridge, a public address: the admin opened a range for a
+    database, the host is in it) delivered the sandbox's packets to the host's own services
+    on that port, past the gateway. Now any destination the hub routes locally (its
+    addresses, also ones added after the switch started, and broadcasts) is a host service:
+    dropped, whatever the allow list says; the internet behind the hub is still reached."""
+    from cubevs_lab import HUB_UPLINK_IP
+    from cubevs_pkt import tcp_fetch
+    with netns.entered(lab.hub):
+        with IPRoute() as ipr:
+            ipr.addr("add", index=ipr.link_lookup(ifname="lo")[0], address=LATE_ADDR, prefixlen=32)
+    a = None
+    try:
+        with host_service(lab.hub, "0.0.0.0", HOST_PORT):
+            a = lab.sw.attach_sandbox("a7-host", l4_allow=[("198.51.100.0/24", 0, "tcp"),
+                                                           (f"{LATE_ADDR}/32", 0, "tcp")])
+            assert tcp_fetch(a.netns, (INET_IP, 5432)) is not None          # the range is open (the control)
+            for ip in (HUB_UPLINK_IP, LATE_ADDR):
+                assert tcp_fetch(a.netns, (ip, HOST_PORT), timeout=0.5) is None, ip   # before: b"HOST"
+            counts = {r: p for (s, r, _v), (p, _b) in lab.sw.counters(a.sandbox_id).items() if s == a.sandbox_id}
+            assert counts.get("host_service", 0) >= 2, counts
+    finally:
+        if a is not None:
+            lab.sw.detach_sandbox(a.sandbox_id)
+        with netns.entered(lab.hub):
+            with IPRoute() as ipr:
+                with suppress(Exception):
+                    ipr.addr("del", index=ipr.link_lookup(ifname="lo")[0], address=LATE_ADDR, prefixlen=32)
