@@ -37,6 +37,8 @@ import tornado.ioloop
 import tornado.netutil
 import tornado.web
 
+from httpkit.connections import MAX_CONNECTIONS, CappedHTTPServer
+
 log = logging.getLogger("httpkit")
 IDLE_SECONDS = 300   # a connection that sends no request (or no body) this long is closed
 ANON_MAX_BODY = 64 << 10    # a body whose headers carry no valid credentials (see admit)
@@ -114,11 +116,13 @@ class Server:
 def serve(app: tornado.web.Application, *, max_body: int, host: str = "127.0.0.1", port: int = 0,
           unix_socket: str | None = None, loopback_only: bool = True, what: str = "this API",
           ssl_options=None, body_limit: Callable[[str], int] | None = None,
-          max_buffered: int | None = None, admit: Admit | None = None) -> Server:
+          max_buffered: int | None = None, admit: Admit | None = None,
+          max_connections: int = MAX_CONNECTIONS) -> Server:
     """Start listening on the running asyncio loop. port=0 picks a free port; ssl_options (an
     ssl.SSLContext): HTTPS. body_limit(path): a route's own limit (at most max_body);
     max_buffered: all bodies being read at once (default 2 * max_body); admit(headers): who their
-    valid credentials belong to, or None (no admit: every request may use the whole budget)."""
+    valid credentials belong to, or None (no admit: every request may use the whole budget);
+    max_connections: held at once (connections.py)."""
     if unix_socket:
         sockets = [tornado.netutil.bind_unix_socket(unix_socket, mode=0o600)]
     else:
@@ -126,10 +130,13 @@ def serve(app: tornado.web.Application, *, max_body: int, host: str = "127.0.0.1
         sockets = tornado.netutil.bind_sockets(port, address=host)
     total = 2 * max_body if max_buffered is None else max_buffered
     budget = _Budget(total, share=total // 2 if admit is not None else None)
-    server = tornado.httpserver.HTTPServer(_BodyLimit(app, max_body, body_limit, budget, admit), max_body_size=max_body,
+    delegate = _BodyLimit(app, max_body, body_limit, budget, admit)
+    server = CappedHTTPServer(delegate, max_body_size=max_body,
                                           xheaders=False,
                                           idle_connection_timeout=IDLE_SECONDS, body_timeout=IDLE_SECONDS,
                                           ssl_options=ssl_options)
+    server.max_connections = max_connections
+    delegate.server = server
     server.add_sockets(sockets)
     return Server(server, sockets, unix_socket)
 
@@ -168,15 +175,15 @@ class _BodyLimit(tornado.httputil.HTTPServerConnectionDelegate):
         self.anon_reading: dict[_LimitedRequest, None] = {}     # in arrival order: the oldest first
 
     def start_request(self, server_conn, request_conn):
-        return _LimitedRequest(self.app.start_request(server_conn, request_conn), request_conn, self)
+        return _LimitedRequest(self.app.start_request(server_conn, request_conn), request_conn, self, server_conn)
 
     def on_close(self, server_conn) -> None:
         self.app.on_close(server_conn)
 
 
 class _LimitedRequest(tornado.httputil.HTTPMessageDelegate):
-    def __init__(self, inner: tornado.httputil.HTTPMessageDelegate, conn, owner: _BodyLimit):
-        self.inner, self.conn, self.owner = inner, conn, owner
+    def __init__(self, inner: tornado.httputil.HTTPMessageDelegate, conn, owner: _BodyLimit, server_conn=None):
+        self.inner, self.conn, self.owner, self.server_conn = inner, conn, owner, server_conn
         self.limit, self.held, self.seen = owner.limit, 0, 0
         self.held_from, self.who, self.deadline = owner.budget, None, None
         self.dropped = False
@@ -192,6 +199,9 @@ class _LimitedRequest(tornado.httputil.HTTPMessageDelegate):
             stream.close()
 
     async def headers_received(self, start_line, headers):
+        server = getattr(self.owner, "server", None)
+        if server is not None:
+            server.busy(self.server_conn, self.conn)
         path = start_line.path.split("?", 1)[0]
         if self.owner.body_limit is not None:
             self.limit = min(self.owner.limit, self.owner.body_limit(path))

@@ -95,3 +95,58 @@ def test_an_anonymous_body_that_does_not_arrive_in_time_is_dropped(toy_with_admi
         assert _first_line(admitted, 1.5) == b""
     finally:
         admitted.close()
+
+
+# ------------------------------------------------------------------ connections held at once
+
+def _open(port: int, n: int) -> list[socket.socket]:
+    return [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(n)]
+
+
+def _still_open(s: socket.socket) -> bool:
+    s.settimeout(0.05)
+    try:
+        return s.recv(1) != b""
+    except TimeoutError:
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def capped_toy():
+    def start():
+        return httpkit.serve(make({}, []), max_body=1 << 20, max_connections=8,
+                             admit=httpkit.bearer_admit(lambda t: "tester" if t == TOKEN else None))
+    with served(start) as srv:
+        yield srv
+
+
+def test_idle_connections_cannot_take_every_descriptor_of_the_daemon(capped_toy):
+    """FINDING: an httpkit server accepted connections without a bound and kept one that sent
+    nothing for 300 s: anyone on the host could open connections until the daemon (every API
+    of it, its sandbox DNS, its state files) had no descriptor left. Now a server holds at most
+    max_connections; at the cap a new one takes the place of the one idle the longest, and a
+    connection in the middle of a request is never given up."""
+    srv = capped_toy
+    # busy: an admitted request whose body is still coming
+    busy = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+    body = b'{"name": "abc", "value": "v"}'
+    busy.sendall(f"POST /keys HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:5])
+    time.sleep(0.2)
+    idle = _open(srv.port, 30)
+    try:
+        time.sleep(0.3)
+        open_now = sum(_still_open(s) for s in idle)
+        assert open_now <= 7, open_now                    # before: all 30 (and as many as asked)
+        assert _still_open(idle[-1])                      # the newest took the place of the oldest
+        r = httpx.post(f"http://127.0.0.1:{srv.port}/keys", content=b"{}", timeout=5)
+        assert r.status_code == 401, r.text               # a real request is served at once
+        busy.sendall(body[5:])                            # the busy one was not given up
+        busy.settimeout(5)
+        assert busy.recv(4096).startswith(b"HTTP/1.1 201"), "the busy connection was closed"
+    finally:
+        busy.close()
+        for s in idle:
+            s.close()
