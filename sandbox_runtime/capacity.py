@@ -8,6 +8,10 @@ Two checks, both must pass:
   memory limit plus the host reserve — a budget set too high in the settings
   cannot make the host swap or OOM.
 
+A third when a tenant share is set (`tenant_share`): one tenant's sandboxes, the new one
+included, hold at most that fraction of the budget (count, memory, CPUs), so a tenant with
+a valid key cannot take the whole host from the others.
+
 Pure decision (`admit`) with the kernel reading passed in, so it is testable.
 """
 from __future__ import annotations
@@ -43,10 +47,14 @@ def reserved(limits: list[Limits]) -> Usage:
     return Usage(len(limits), sum(lim.memory_mb for lim in limits), round(sum(lim.cpus for lim in limits), 6))
 
 
-def admit(budget: Budget, used: Usage, want: Limits, mem_available_mb: int | None) -> None:
-    """Raise CapacityError with the exact shortfall, or return (admitted)."""
+def admit(budget: Budget, used: Usage, want: Limits, mem_available_mb: int | None, *,
+          tenant: str | None = None, tenant_used: Usage | None = None, tenant_share: float | None = None) -> None:
+    """Raise CapacityError with the exact shortfall, or return (admitted). tenant_used: what
+    `tenant`'s sandboxes hold; tenant_share: the fraction of the budget one tenant may hold."""
     if want.memory_mb <= 0 or want.cpus <= 0 or want.pids <= 0 or want.disk_mb <= 0:
         raise CapacityError("limits must be positive (memory_mb, cpus, pids, disk_mb)")
+    if tenant_share is not None and tenant_share < 1.0:
+        _admit_share(budget, tenant_used or Usage(), want, tenant, tenant_share)
     if used.sandboxes + 1 > budget.max_sandboxes:
         raise CapacityError(f"host is full: {used.sandboxes} of {budget.max_sandboxes} sandboxes in use")
     if used.memory_mb + want.memory_mb > budget.memory_mb:
@@ -58,6 +66,24 @@ def admit(budget: Budget, used: Usage, want: Limits, mem_available_mb: int | Non
     if mem_available_mb is not None and mem_available_mb - budget.host_reserve_mb < want.memory_mb:
         raise CapacityError(f"not enough free memory on the host: {mem_available_mb} MB available, "
                             f"{budget.host_reserve_mb} MB reserved for the host, {want.memory_mb} MB asked")
+
+
+def tenant_cap(budget: Budget, share: float) -> Usage:
+    """What one tenant may hold of `budget` (at least one sandbox's worth of count)."""
+    return Usage(max(1, int(budget.max_sandboxes * share)), int(budget.memory_mb * share),
+                 round(budget.cpus * share, 6))
+
+
+def _admit_share(budget: Budget, used: Usage, want: Limits, tenant: str | None, share: float) -> None:
+    cap, who = tenant_cap(budget, share), f"tenant {tenant!r}" if tenant else "this tenant"
+    why = f"(runtime.tenant_share {share:g} of the host)"
+    if used.sandboxes + 1 > cap.sandboxes:
+        raise CapacityError(f"{who} holds {used.sandboxes} of its {cap.sandboxes} sandboxes {why}")
+    if used.memory_mb + want.memory_mb > cap.memory_mb:
+        raise CapacityError(f"{who} holds {used.memory_mb} MB of its {cap.memory_mb} MB; "
+                            f"{want.memory_mb} MB asked {why}")
+    if used.cpus + want.cpus > cap.cpus + 1e-9:
+        raise CapacityError(f"{who} holds {used.cpus:g} of its {cap.cpus:g} CPUs; {want.cpus:g} asked {why}")
 
 
 def meminfo_mb(path: str = "/proc/meminfo") -> dict[str, int]:
