@@ -82,3 +82,51 @@ def test_the_sandbox_limits_are_ceilings_never_a_raise(wanted, current, expect):
     must not fail because the daemon's own limit is lower already."""
     from sandbox_runtime.rlimits import ceiling
     assert ceiling(wanted, current) == expect
+
+
+# ------------------------------------------------------------------ pseudo-terminals
+
+HOG_PTYS = r"""
+ulimit -n 4096
+exec python3 -c '
+import os, time
+fds, why = [], "no bound met"
+try:
+    while len(fds) < 4000:
+        fds.append(os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY))
+except OSError as e:
+    why = e.strerror
+open("/workspace/held", "w").write("%d %s" % (len(fds), why))
+time.sleep(6)
+'
+"""
+
+
+def test_one_sandbox_cannot_take_every_pseudo_terminal_of_the_host(backend, bare_netns):
+    """FINDING: bwrap's /dev/pts is a devpts instance without a bound, and all instances but the
+    host's share kernel.pty.max - kernel.pty.reserve (3072 here): one sandbox opening /dev/ptmx
+    in a loop took every one, and no other sandbox could open a terminal (pty.openpty, script,
+    ssh) until it let go. Now each sandbox has its own instance of PTYS_PER_SANDBOX."""
+    import threading
+    import time
+    from sandbox_runtime.ptys import PTYS_PER_SANDBOX
+    hog = backend.create(SandboxSpec(sandbox_id=f"a7p-{uuid.uuid4().hex[:8]}", tenant="t"), bare_netns,
+                         ip="10.0.0.2", gateway_ip="10.0.0.1")
+    other = backend.create(SandboxSpec(sandbox_id=f"a7q-{uuid.uuid4().hex[:8]}", tenant="t"), bare_netns,
+                           ip="10.0.0.3", gateway_ip="10.0.0.1")
+    try:
+        t = threading.Thread(target=backend.exec, args=(hog, ["sh", "-c", HOG_PTYS]), kwargs={"timeout": 30})
+        t.start()
+        held = b""
+        deadline = time.monotonic() + 20
+        while not held and time.monotonic() < deadline:
+            held = backend.exec(hog, ["sh", "-c", "cat /workspace/held 2>/dev/null"]).stdout
+            time.sleep(0.2)
+        count, _, why = held.decode().partition(" ")
+        assert int(count) == PTYS_PER_SANDBOX and why == "No space left on device", held   # before: 3072
+        r = backend.exec(other, ["python3", "-c", "import os, pty; m, s = pty.openpty(); print(os.ttyname(s))"])
+        assert r.exit_code == 0 and r.stdout.startswith(b"/dev/pts/"), (r.stdout, r.stderr)
+        t.join(30)
+    finally:
+        backend.destroy(hog)
+        backend.destroy(other)
