@@ -606,7 +606,10 @@ class NamespaceBackend:
 
             seccomp_fd = memfd("seccomp", self._seccomp)
             agent_fd = opened(str(self.agent_binary), os.O_PATH)
-            ptys.mount_instance(pts_dir)
+            try:
+                ptys.mount_instance(pts_dir)
+            except OSError as e:
+                raise SandboxError(f"sandbox start failed: {e}") from None
             if h.data.get("template"):
                 root = self._template_root(h, spec, gateway_ip)
                 root_fds = {dest: opened(root + dest, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
