@@ -6,7 +6,11 @@ Two checks, both must pass:
   sandboxes may really use);
 - the kernel: MemAvailable (measured now) must still cover the new sandbox's
   memory limit plus the host reserve — a budget set too high in the settings
-  cannot make the host swap or OOM.
+  cannot make the host swap or OOM;
+- tasks: the pids limits of live sandboxes stay within `Budget.pids` (by default half of
+  the host's task space, min(kernel.pid_max, kernel.threads-max)): every task of every
+  sandbox takes a pid of the host, and a host without one can start nothing (the daemon,
+  the gateway's workers, the other sandboxes). 32768 here: 128 sandboxes of 256 pids.
 
 A third when a tenant share is set (`tenant_share`): one tenant's sandboxes, the new one
 included, hold at most that fraction of the budget (count, memory, CPUs), so a tenant with
@@ -34,6 +38,7 @@ class Budget:
     cpus: float
     max_sandboxes: int = 1000
     host_reserve_mb: int = 512     # never handed out: the gateway and the host need it
+    pids: int | None = None        # tasks all sandboxes may hold (their pids limits); None: not checked
 
 
 @dataclass(frozen=True)
@@ -41,10 +46,12 @@ class Usage:
     sandboxes: int = 0
     memory_mb: int = 0
     cpus: float = 0.0
+    pids: int = 0
 
 
 def reserved(limits: list[Limits]) -> Usage:
-    return Usage(len(limits), sum(lim.memory_mb for lim in limits), round(sum(lim.cpus for lim in limits), 6))
+    return Usage(len(limits), sum(lim.memory_mb for lim in limits), round(sum(lim.cpus for lim in limits), 6),
+                 sum(lim.pids for lim in limits))
 
 
 def admit(budget: Budget, used: Usage, want: Limits, mem_available_mb: int | None, *,
@@ -63,6 +70,9 @@ def admit(budget: Budget, used: Usage, want: Limits, mem_available_mb: int | Non
     if used.cpus + want.cpus > budget.cpus + 1e-9:
         raise CapacityError(f"not enough CPU: {want.cpus:g} asked, "
                             f"{budget.cpus - used.cpus:g} of {budget.cpus:g} CPUs budget left")
+    if budget.pids is not None and used.pids + want.pids > budget.pids:
+        raise CapacityError(f"not enough tasks: {want.pids} pids asked, "
+                            f"{budget.pids - used.pids} of {budget.pids} left for sandboxes")
     if mem_available_mb is not None and mem_available_mb - budget.host_reserve_mb < want.memory_mb:
         raise CapacityError(f"not enough free memory on the host: {mem_available_mb} MB available, "
                             f"{budget.host_reserve_mb} MB reserved for the host, {want.memory_mb} MB asked")
@@ -71,7 +81,7 @@ def admit(budget: Budget, used: Usage, want: Limits, mem_available_mb: int | Non
 def tenant_cap(budget: Budget, share: float) -> Usage:
     """What one tenant may hold of `budget` (at least one sandbox's worth of count)."""
     return Usage(max(1, int(budget.max_sandboxes * share)), int(budget.memory_mb * share),
-                 round(budget.cpus * share, 6))
+                 round(budget.cpus * share, 6), int(budget.pids * share) if budget.pids is not None else 0)
 
 
 def _admit_share(budget: Budget, used: Usage, want: Limits, tenant: str | None, share: float) -> None:
@@ -84,6 +94,8 @@ def _admit_share(budget: Budget, used: Usage, want: Limits, tenant: str | None, 
                             f"{want.memory_mb} MB asked {why}")
     if used.cpus + want.cpus > cap.cpus + 1e-9:
         raise CapacityError(f"{who} holds {used.cpus:g} of its {cap.cpus:g} CPUs; {want.cpus:g} asked {why}")
+    if budget.pids is not None and used.pids + want.pids > cap.pids:
+        raise CapacityError(f"{who} holds {used.pids} of its {cap.pids} pids; {want.pids} asked {why}")
 
 
 def meminfo_mb(path: str = "/proc/meminfo") -> dict[str, int]:
@@ -97,11 +109,20 @@ def meminfo_mb(path: str = "/proc/meminfo") -> dict[str, int]:
     return out
 
 
+def host_tasks(proc: str = "/proc/sys/kernel") -> int:
+    """The host's task space: a new task needs a pid (pid_max) and a thread slot (threads-max)."""
+    with open(f"{proc}/pid_max") as a, open(f"{proc}/threads-max") as b:
+        return min(int(a.read()), int(b.read()))
+
+
 def default_budget(memory_mb: int | None = None, cpus: float | None = None,
-                   max_sandboxes: int = 1000, host_reserve_mb: int = 512) -> Budget:
-    """Unset values come from the machine: all memory but the reserve, all CPUs."""
+                   max_sandboxes: int = 1000, host_reserve_mb: int = 512, pids: int | None = None) -> Budget:
+    """Unset values come from the machine: all memory but the reserve, all CPUs, half the
+    host's task space."""
     if memory_mb is None:
         memory_mb = max(0, meminfo_mb()["MemTotal"] - host_reserve_mb)
     if cpus is None:
         cpus = float(len(os.sched_getaffinity(0)))
-    return Budget(int(memory_mb), float(cpus), int(max_sandboxes), int(host_reserve_mb))
+    if pids is None:
+        pids = host_tasks() // 2
+    return Budget(int(memory_mb), float(cpus), int(max_sandboxes), int(host_reserve_mb), int(pids))

@@ -130,3 +130,24 @@ def test_one_sandbox_cannot_take_every_pseudo_terminal_of_the_host(backend, bare
     finally:
         backend.destroy(hog)
         backend.destroy(other)
+
+
+# ------------------------------------------------------------------ the host's task space
+
+def test_admission_keeps_half_the_hosts_task_space_for_the_host():
+    """FINDING: admission counted memory, CPUs and sandboxes, never tasks. Every task of every
+    sandbox takes a pid of the host (kernel.pid_max is 32768 here): 128 small sandboxes of 256
+    pids each (64 MiB of memory each: 8 GiB) could take every pid of the host, and then the
+    daemon, the gateway's workers and every other sandbox could start nothing. Now the
+    sandboxes' pids limits together stay within half the host's task space."""
+    from sandbox_runtime.backend import Limits
+    from sandbox_runtime.capacity import CapacityError, admit, default_budget, host_tasks, reserved
+    with open("/proc/sys/kernel/pid_max") as f:
+        pid_max = int(f.read())
+    budget = default_budget(memory_mb=1 << 20, cpus=1024.0, max_sandboxes=100_000, host_reserve_mb=0)
+    assert budget.pids == host_tasks() // 2 and budget.pids <= pid_max // 2
+    small = Limits(memory_mb=64, cpus=0.01, pids=256)
+    fits = budget.pids // small.pids
+    admit(budget, reserved([small] * (fits - 1)), small, None)              # the last one that fits
+    with pytest.raises(CapacityError, match="not enough tasks"):
+        admit(budget, reserved([small] * fits), small, None)                # before: admitted
