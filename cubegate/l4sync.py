@@ -2,13 +2,17 @@
 
 Pure. The switch opens (cidr, port, tcp) past the gateway, so an entry may only be
 there when the gateway's own decision (EffectivePolicy.decide: admin policy, grants,
-the sandbox's network options) allows every address of the cidr on that port:
+the sandbox's network options) allows every address of the cidr on that port, and so
+does the gateway's SSRF guard (netguard.AddressGuard: private, loopback, link-local, CGNAT,
+reserved ranges and the gateway's own listeners, unless upstream.allow_cidrs exempts them):
+a `cidrs: [0.0.0.0/0]` rule does not open the host's LAN or link-local neighbours:
   1. candidates: the selected policy's allow rules with `cidrs`, and the grants in
      force for the sandbox with `cidrs` (IPv4: sandboxes have no IPv6), × their ports
      (no ports: 0 = any port);
   2. each candidate is cut at every CIDR boundary anything in the decision mentions
-     (rules, global denies, grants, network entries), so that within one piece every
-     address gets the same decision — and one address of it is decided for real;
+     (rules, global denies, grants, network entries, the guard's ranges), so that within
+     one piece every address gets the same decision — and one address of it is decided
+     for real;
   3. a piece for any port is kept as such only if every port the decision tells apart
      (the ports named anywhere, plus one named nowhere) is allowed; otherwise only the
      named ports that are allowed are kept ("any port but 5432" is not expressible in
@@ -22,6 +26,7 @@ import ipaddress
 import logging
 from collections.abc import Iterable, Mapping
 
+from egress.netguard import AddressGuard
 from egress.policy import RequestInfo
 from egress.policy.effective import EffectivePolicy
 
@@ -32,8 +37,8 @@ MAX_ENTRIES = 512
 IPv4 = ipaddress.IPv4Network
 
 
-def l4_allow_for(policy, sandbox_id: str, labels: Mapping[str, str], *, now: float | None = None
-                 ) -> list[tuple[str, int, str]]:
+def l4_allow_for(policy, sandbox_id: str, labels: Mapping[str, str], *, guard: AddressGuard,
+                 now: float | None = None) -> list[tuple[str, int, str]]:
     if not isinstance(policy, EffectivePolicy):
         policy = EffectivePolicy(policy)      # admin policies alone: no grants, no network options
     labels = dict(labels)
@@ -48,9 +53,14 @@ def l4_allow_for(policy, sandbox_id: str, labels: Mapping[str, str], *, now: flo
     if not candidates:
         return []
     bounds, ports = _boundaries(policy, selected, grants, policy.network_for(sandbox_id))
+    guard_nets, guard_ports = guard.ipv4_boundaries()
+    bounds = sorted({*bounds, *guard_nets}, key=lambda n: (n.prefixlen, n.network_address))
+    ports |= guard_ports
     other = next(p for p in range(1024, 65536) if p not in ports)   # stands for every port named nowhere
 
     def allowed(addr: str, port: int) -> bool:
+        if guard.check(addr, port) is not None:
+            return False
         d = policy.decide(RequestInfo(sandbox_id, labels, addr, port, is_ip_literal=True), now)
         return d.allowed and not d.needs_inspection   # no HTTP to inspect on a direct path
 

@@ -189,7 +189,8 @@ async def start_for(daemon) -> NetWatch | None:
 
     def l4_for(sandbox_id: str):
         ident = daemon.identities.get(sandbox_id)
-        return l4_allow_for(daemon.policies.current, sandbox_id, ident.labels if ident else {})
+        return l4_allow_for(daemon.policies.current, sandbox_id, ident.labels if ident else {},
+                            guard=daemon.guard)
 
     def l4_key():
         # every change (policy, grant, network options) makes a new digest; a grant that

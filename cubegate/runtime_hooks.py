@@ -80,7 +80,7 @@ class DaemonHooks:
                                                          for p in e.pointers())) from None
 
     def l4_allow(self, sandbox_id: str, labels: dict[str, str]) -> list:
-        return l4_allow_for(self.d.policies.current, sandbox_id, labels)
+        return l4_allow_for(self.d.policies.current, sandbox_id, labels, guard=self.d.guard)
 
     def placeholders(self, tenant: str, sandbox_id: str) -> dict[str, str]:
         v = self.d.vault

@@ -43,6 +43,16 @@ def switch_gateway_ports(settings) -> tuple[int, ...]:
     return (p.transparent_port, p.explicit_port) + ((80,) if settings.dns.listen_host else ())
 
 
+def tenant_share(settings) -> float | None:
+    """runtime.tenant_share, or by default half the host for each tenant when tenants with keys
+    of their own share it (E2B token_tenants): none of them can take the host from the others."""
+    if settings.runtime.tenant_share is not None:
+        return settings.runtime.tenant_share
+    e = settings.e2b
+    tenants = {e.tenant, *e.token_tenants.values()}
+    return 0.5 if e.enabled and len(tenants) > 1 else None
+
+
 def make_backends(settings, ca_bundle: Path) -> dict:
     out = {}
     rdir = settings.runtime_dir
@@ -110,7 +120,7 @@ async def start_for(daemon) -> RuntimeService | None:
         budget=default_budget(rt.memory_mb, rt.cpus, rt.max_sandboxes, rt.host_reserve_mb),
         metrics=RuntimeMetrics(daemon.metrics.registry), hooks=DaemonHooks(daemon), snapshots=snapshots,
         max_snapshots=rt.max_snapshots, auto_pause_seconds=rt.auto_pause_seconds,
-        paused_capacity=rt.paused_capacity)
+        paused_capacity=rt.paused_capacity, tenant_share=tenant_share(s))
     result = await asyncio.to_thread(manager.recover)
     log.info("runtime: %d sandbox(es) kept, %d failed after restart, %d orphan(s) reaped",
              result["kept"], result["failed"], result["reaped"])

@@ -239,6 +239,9 @@ class RuntimeSettings(_Section):
     paused_capacity: Literal["full", "memory"] = "full"   # what a paused sandbox keeps reserved: its whole
                                                 # footprint, or its memory only (CPUs free; a resume may get 429)
     max_snapshots: _count(0, 100_000) = 100     # snapshots kept on disk (<state_dir>/runtime/snapshots)
+    tenant_share: Annotated[float, Strict(), Field(gt=0, le=1)] | None = None   # of the budget (count, memory,
+                                                # CPUs) one tenant's sandboxes may hold; None: 0.5 when the E2B
+                                                # API names more than one tenant (e2b.token_tenants), else 1
 
 
 def _check_webhook_url(v: str) -> str:

@@ -71,6 +71,8 @@ class NftBackend:
             f"tcp dport {web} {a('web')}",
             f"udp dport 443 {a('quic')}",
             f"meta l4proto {{ tcp, udp }} th dport {dns} {a('foreign_dns')}",
+            # what the hub routes to itself (any of its addresses, now or later): never a direct path
+            f"fib daddr type {{ local, broadcast, multicast }} {a('host_service')}",
         ]
         for cidr, port, proto in (e.l4_allow if rules is None else rules):
             if proto == "icmp":

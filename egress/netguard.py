@@ -226,6 +226,15 @@ class AddressGuard:
             endpoints.add((_as_address(ip), None if port is None else int(port)))
         self.own_endpoints: frozenset[tuple[IPAddress, int | None]] = frozenset(endpoints)
 
+    def ipv4_boundaries(self) -> tuple[tuple[ipaddress.IPv4Network, ...], frozenset[int]]:
+        """Every IPv4 network and port this guard's decision tells apart: within a network
+        that straddles none of them, every address gets the same answer for a port not named
+        (what a caller deciding a whole CIDR at once, the switch's direct paths, cuts at)."""
+        nets = [n for _, group in _IPV4_DENY for n in group]
+        nets += [n for n in (*self.extra_deny_cidrs, *self.allow_cidrs) if n.version == 4]
+        nets += [ipaddress.ip_network(ip) for ip, _ in self.own_endpoints if ip.version == 4]
+        return tuple(nets), frozenset(port for _, port in self.own_endpoints if port is not None)
+
     def check(self, ip: str | IPAddress, port: int | None = None) -> str | None:
         """Return why ``ip`` (and ``port``) is refused, or None if allowed.
 

@@ -15,6 +15,12 @@ most half the budget (one tenant cannot take it from the others); a request nobo
 admitted for may send only a small body (ANON_MAX_BODY, from a small budget of its own,
 ANON_BUDGET: it still reaches its handler, which answers 401 and audits it), anything
 larger is answered 401 before it is read.
+
+Anyone on the host may send such small bodies, so none may hold the anonymous budget for
+long: one not complete ANON_BODY_SECONDS after its headers is answered 408 and closed, and
+when the budget is full a new one takes the place of the oldest still being read (that one
+is answered 503 and closed). A real client's small body (a login form) arrives with its
+headers and is read at once; idle connections can no longer keep it out.
 """
 from __future__ import annotations
 
@@ -27,13 +33,17 @@ from collections.abc import Callable
 
 import tornado.httpserver
 import tornado.httputil
+import tornado.ioloop
 import tornado.netutil
 import tornado.web
+
+from httpkit.connections import MAX_CONNECTIONS, CappedHTTPServer
 
 log = logging.getLogger("httpkit")
 IDLE_SECONDS = 300   # a connection that sends no request (or no body) this long is closed
 ANON_MAX_BODY = 64 << 10    # a body whose headers carry no valid credentials (see admit)
 ANON_BUDGET = 1 << 20       # all such bodies being read at once
+ANON_BODY_SECONDS = 10.0    # how long one such body may take to arrive
 
 
 def check_bind_address(host: str, allow_non_loopback: bool = False, what: str = "this API") -> None:
@@ -106,11 +116,13 @@ class Server:
 def serve(app: tornado.web.Application, *, max_body: int, host: str = "127.0.0.1", port: int = 0,
           unix_socket: str | None = None, loopback_only: bool = True, what: str = "this API",
           ssl_options=None, body_limit: Callable[[str], int] | None = None,
-          max_buffered: int | None = None, admit: Admit | None = None) -> Server:
+          max_buffered: int | None = None, admit: Admit | None = None,
+          max_connections: int = MAX_CONNECTIONS) -> Server:
     """Start listening on the running asyncio loop. port=0 picks a free port; ssl_options (an
     ssl.SSLContext): HTTPS. body_limit(path): a route's own limit (at most max_body);
     max_buffered: all bodies being read at once (default 2 * max_body); admit(headers): who their
-    valid credentials belong to, or None (no admit: every request may use the whole budget)."""
+    valid credentials belong to, or None (no admit: every request may use the whole budget);
+    max_connections: held at once (connections.py)."""
     if unix_socket:
         sockets = [tornado.netutil.bind_unix_socket(unix_socket, mode=0o600)]
     else:
@@ -118,10 +130,13 @@ def serve(app: tornado.web.Application, *, max_body: int, host: str = "127.0.0.1
         sockets = tornado.netutil.bind_sockets(port, address=host)
     total = 2 * max_body if max_buffered is None else max_buffered
     budget = _Budget(total, share=total // 2 if admit is not None else None)
-    server = tornado.httpserver.HTTPServer(_BodyLimit(app, max_body, body_limit, budget, admit), max_body_size=max_body,
+    delegate = _BodyLimit(app, max_body, body_limit, budget, admit)
+    server = CappedHTTPServer(delegate, max_body_size=max_body,
                                           xheaders=False,
                                           idle_connection_timeout=IDLE_SECONDS, body_timeout=IDLE_SECONDS,
                                           ssl_options=ssl_options)
+    server.max_connections = max_connections
+    delegate.server = server
     server.add_sockets(sockets)
     return Server(server, sockets, unix_socket)
 
@@ -157,34 +172,36 @@ class _BodyLimit(tornado.httputil.HTTPServerConnectionDelegate):
     def __init__(self, app: tornado.web.Application, limit: int, body_limit, budget: _Budget, admit=None):
         self.app, self.limit, self.body_limit, self.budget = app, limit, body_limit, budget
         self.admit, self.anon_budget = admit, _Budget(ANON_BUDGET)
+        self.anon_reading: dict[_LimitedRequest, None] = {}     # in arrival order: the oldest first
 
     def start_request(self, server_conn, request_conn):
-        return _LimitedRequest(self.app.start_request(server_conn, request_conn), request_conn, self)
+        return _LimitedRequest(self.app.start_request(server_conn, request_conn), request_conn, self, server_conn)
 
     def on_close(self, server_conn) -> None:
         self.app.on_close(server_conn)
 
 
 class _LimitedRequest(tornado.httputil.HTTPMessageDelegate):
-    def __init__(self, inner: tornado.httputil.HTTPMessageDelegate, conn, owner: _BodyLimit):
-        self.inner, self.conn, self.owner = inner, conn, owner
+    def __init__(self, inner: tornado.httputil.HTTPMessageDelegate, conn, owner: _BodyLimit, server_conn=None):
+        self.inner, self.conn, self.owner, self.server_conn = inner, conn, owner, server_conn
         self.limit, self.held, self.seen = owner.limit, 0, 0
-        self.held_from, self.who = owner.budget, None
+        self.held_from, self.who, self.deadline = owner.budget, None, None
+        self.dropped = False
 
     async def _refuse(self, start_line, status: str, error: str, message: str) -> None:
         """Answer before reading a byte of the body, then drop the connection (detached:
         tornado reads no further), so the client sees this, not a bare 400."""
         log.info("%s %s %s: %s", status.split()[0], start_line.method, start_line.path.split("?")[0], message)
-        body = json.dumps({"error": error, "message": message}).encode()
         stream = self.conn.detach()
         try:
-            await stream.write(b"HTTP/1.1 %s\r\nContent-Type: application/json\r\n"
-                               b"Cache-Control: no-store\r\nConnection: close\r\n"
-                               b"Content-Length: %d\r\n\r\n%s" % (status.encode(), len(body), body))
+            await stream.write(_error_response(status, error, message))
         finally:
             stream.close()
 
     async def headers_received(self, start_line, headers):
+        server = getattr(self.owner, "server", None)
+        if server is not None:
+            server.busy(self.server_conn, self.conn)
         path = start_line.path.split("?", 1)[0]
         if self.owner.body_limit is not None:
             self.limit = min(self.owner.limit, self.owner.body_limit(path))
@@ -208,13 +225,48 @@ class _LimitedRequest(tornado.httputil.HTTPMessageDelegate):
         # what this body may hold: its declared length, else (chunked) the whole limit
         want = int(length) if length is not None else (self.limit if chunked else 0)
         if want:
-            if not self.held_from.take(want, self.who):
+            if not (self._hold_anonymous(want) if self.held_from is self.owner.anon_budget
+                    else self.held_from.take(want, self.who)):
                 return await self._refuse(start_line, "503 Service Unavailable", "busy",
                                           "too many request bodies are being received; try again")
             self.held = want
         return await _maybe(self.inner.headers_received(start_line, headers))
 
+    def _hold_anonymous(self, want: int) -> bool:
+        """Take `want` of the anonymous budget, making room by dropping the oldest anonymous
+        bodies still being read; and drop this one too if it is not complete in time."""
+        reading = self.owner.anon_reading
+        while not self.held_from.take(want):
+            if not reading:
+                return False
+            next(iter(reading))._drop("503 Service Unavailable", "busy",
+                                      "other request bodies without credentials arrived; send yours at once")
+        reading[self] = None
+        self.deadline = tornado.ioloop.IOLoop.current().call_later(
+            ANON_BODY_SECONDS, self._drop, "408 Request Timeout", "timeout",
+            f"a request body without credentials must arrive within {ANON_BODY_SECONDS:g} s")
+        return True
+
+    def _drop(self, status: str, error: str, message: str) -> None:
+        """Give up on this anonymous body mid-read: answer, then close the connection (what
+        still arrives of it reaches no handler)."""
+        self._release()
+        self.dropped = True
+        log.info("%s: dropped a request body without credentials: %s", status.split()[0], message)
+        stream = self.conn.stream
+
+        async def answer() -> None:
+            try:
+                await stream.write(_error_response(status, error, message))
+            except Exception:  # noqa: BLE001 - the client may be gone already
+                pass
+            finally:
+                stream.close()
+        tornado.ioloop.IOLoop.current().add_callback(answer)
+
     def data_received(self, chunk):
+        if self.dropped:
+            return None
         self.seen += len(chunk)
         if self.seen > self.limit:      # a chunked body past the route's limit: 400, closed (as tornado's own)
             self._release()
@@ -225,14 +277,26 @@ class _LimitedRequest(tornado.httputil.HTTPMessageDelegate):
         if self.held:
             self.held_from.give(self.held, self.who)
             self.held = 0
+        if self.deadline is not None:
+            tornado.ioloop.IOLoop.current().remove_timeout(self.deadline)
+            self.deadline = None
+            self.owner.anon_reading.pop(self, None)
 
     def finish(self) -> None:
         self._release()
-        self.inner.finish()
+        if not self.dropped:
+            self.inner.finish()
 
     def on_connection_close(self) -> None:
         self._release()
         self.inner.on_connection_close()
+
+
+def _error_response(status: str, error: str, message: str) -> bytes:
+    """A whole JSON error response that closes the connection."""
+    body = json.dumps({"error": error, "message": message}).encode()
+    return (b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nCache-Control: no-store\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (status.encode(), len(body), body))
 
 
 async def _maybe(result):

@@ -28,6 +28,8 @@ import subprocess
 from contextlib import suppress
 from pathlib import Path
 
+from sandbox_runtime import rlimits
+
 CLAIM_MAX = 65536       # agent.c CLAIM_MAX (one SOCK_SEQPACKET message)
 CLAIM_FDS = 16          # agent.c CLAIM_FDS
 VIEW_MAX = 64           # agent.c VIEW_MAX
@@ -121,6 +123,14 @@ class Launcher:
             raise
         finally:
             theirs.close()
+        try:        # before the claim, so nothing of a sandbox ever runs with the daemon's limits
+            rlimits.confine(self.proc.pid)
+        except OSError as e:
+            mine.close()
+            self.proc.kill()
+            self.proc.wait()
+            self.proc.stderr.close()
+            raise LauncherError(f"cannot set the sandbox's resource limits: {e}") from None
         self.sock = mine
         self.view = list(view)
         self.claimed = False        # True once the claim went out: the process is the sandbox's

@@ -191,7 +191,9 @@ class SandboxManager:
                  metrics: RuntimeMetrics | None = None, hooks: RuntimeHooks | None = None,
                  meminfo: Callable[[], dict] = meminfo_mb, pool=None, snapshots: SnapshotStore | None = None,
                  max_snapshots: int = 100, auto_pause_seconds: float | None = None,
-                 paused_capacity: str = "full", activity: Activity | None = None):
+                 paused_capacity: str = "full", activity: Activity | None = None,
+                 tenant_share: float | None = None):
+        """tenant_share: the fraction of the budget one tenant's sandboxes may hold (None: all)."""
         if paused_capacity not in PAUSED_CAPACITY:
             raise ValueError(f"paused_capacity must be one of {PAUSED_CAPACITY}")
         self.switch = switch
@@ -208,6 +210,9 @@ class SandboxManager:
         self.backends = backends
         self.state = state
         self.budget = budget
+        if tenant_share is not None and not 0 < tenant_share <= 1:
+            raise ValueError("tenant_share must be in (0, 1]")
+        self.tenant_share = tenant_share
         self.metrics = metrics or RuntimeMetrics()
         self.hooks = hooks or NoHooks()
         self._meminfo = meminfo
@@ -248,8 +253,9 @@ class SandboxManager:
         with phases.phase("admit"), self._admit_lock:   # admission and claiming the id are one step
             try:
                 with phases.phase("admit.locked"):
-                    admit(self.budget, self._reserved(), self._footprint(req.backend, req.limits),
-                          self._meminfo().get("MemAvailable"))
+                    charges = self._charges()
+                    admit(self.budget, reserved([c for _, c in charges]), self._footprint(req.backend, req.limits),
+                          self._meminfo().get("MemAvailable"), **self._share_of(req.tenant, charges))
             except CapacityError:
                 self.metrics.creations.labels(req.backend, "capacity").inc()
                 raise
@@ -444,8 +450,9 @@ class SandboxManager:
     def _resume(self, rec: SandboxRecord) -> None:
         if self.paused_capacity == "memory":    # its CPUs were free for others while it slept
             with self._admit_lock:
-                others = [self._charge(r) for r in self.state.charges() if r.state != "failed" and r.id != rec.id]
-                admit(self.budget, reserved(others), self._footprint(rec.backend, rec.limits), None)
+                others = [(r, c) for r, c in self._charges() if r.id != rec.id]
+                admit(self.budget, reserved([c for _, c in others]), self._footprint(rec.backend, rec.limits), None,
+                      **self._share_of(rec.tenant, others))
         self._backend(rec.backend).resume(rec.handle)
         rec.state, rec.paused_by = "running", None
         self.state.put(rec)
@@ -770,8 +777,16 @@ class SandboxManager:
             return dataclasses.replace(fp, cpus=0.0)
         return fp
 
-    def _reserved(self):
-        return reserved([self._charge(r) for r in self.state.charges() if r.state != "failed"])
+    def _charges(self) -> list[tuple[SandboxRecord, Limits]]:
+        """Every live record (id, tenant, backend, limits, state) and what it holds of the budget."""
+        return [(r, self._charge(r)) for r in self.state.charges() if r.state != "failed"]
+
+    def _share_of(self, tenant: str, charges: list[tuple[SandboxRecord, Limits]]) -> dict:
+        """admit()'s tenant arguments: what `tenant` holds, and its share."""
+        if self.tenant_share is None:
+            return {}
+        return {"tenant": tenant, "tenant_share": self.tenant_share,
+                "tenant_used": reserved([c for r, c in charges if r.tenant == tenant])}
 
     # ------------------------------------------------------------------ restart
     def recover(self) -> dict:

@@ -61,6 +61,9 @@ class _Collector:
         used.add_metric(["memory_bytes"], u.memory_mb * 1024 * 1024)
         used.add_metric(["cpus"], u.cpus)
         used.add_metric(["sandboxes"], u.sandboxes)
+        if b.pids is not None:
+            cap.add_metric(["pids"], b.pids)
+            used.add_metric(["pids"], u.pids)
         if snap["mem_available_mb"] is not None:
             avail.add_metric([], snap["mem_available_mb"] * 1024 * 1024)
         yield from (live, mem, cap, used, avail, paused)

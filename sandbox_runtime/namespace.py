@@ -44,7 +44,7 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
-from sandbox_runtime import etcdir, ids, phases, roots, seccomp
+from sandbox_runtime import etcdir, ids, phases, ptys, roots, seccomp
 from sandbox_runtime.agent.client import AgentClient, AgentError, unix_connector
 from sandbox_runtime.backend import ExecResult, Handle, NotSupported, SandboxError, SandboxSpec
 from sandbox_runtime.build_agent import BINARY as AGENT_BINARY
@@ -72,6 +72,7 @@ USR_MERGED = ("bin", "lib", "lib64", "sbin", "lib32", "libx32")
 HOST_ETC_BOUND = ("alternatives",)     # hundreds of symlinks: one bind is cheaper than copying them
 SANDBOX_ETC = ("hosts", "hostname")     # the /etc files that name the sandbox: per sandbox
 ETC_DIR = "_etc"                        # under roots_dir ('_' is never in a sandbox id)
+PTS_DIR = "_pts"                        # under roots_dir: <sandbox id>, a devpts instance while it starts
 
 
 # ---------------------------------------------------------------- pure parts
@@ -114,8 +115,9 @@ def shared_etc(gateway_ip: str, ca_pem: bytes, host: etcdir.Content) -> etcdir.C
 
 def bwrap_argv(*, sandbox_id: str, disk_mb: int, seccomp_fd: int, agent_fd: int, listen_fd: int,
                etc_dir_fd: int, etc_fds: dict[str, int], usr_links: dict[str, str],
-               env: dict[str, str]) -> list[str]:
-    """etc_dir_fd: O_PATH fd of the shared /etc (shared_etc); etc_fds: memfds of SANDBOX_ETC."""
+               env: dict[str, str], pts_dir: str | None = None) -> list[str]:
+    """etc_dir_fd: O_PATH fd of the shared /etc (shared_etc); etc_fds: memfds of SANDBOX_ETC;
+    pts_dir: the sandbox's own devpts instance (ptys.py), bound over /dev/pts."""
     a = [BWRAP, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
          "--disable-userns", "--uid", str(INNER_UID), "--gid", str(INNER_UID), "--hostname", sandbox_id,
          "--new-session", "--cap-drop", "ALL", "--clearenv"]
@@ -127,7 +129,7 @@ def bwrap_argv(*, sandbox_id: str, disk_mb: int, seccomp_fd: int, agent_fd: int,
     for name in USR_MERGED:
         if name not in usr_links and Path(f"/{name}").is_dir():
             a += ["--ro-bind", f"/{name}", f"/{name}"]
-    a += ["--proc", "/proc", "--dev", "/dev",
+    a += ["--proc", "/proc", "--dev", "/dev", *_own_pts(pts_dir),
           "--size", str(disk_mb << 20), "--tmpfs", "/workspace",
           "--size", str(disk_mb << 20), "--tmpfs", "/tmp",
           "--ro-bind-fd", str(etc_dir_fd), "/etc", "--dir", "/run",
@@ -143,8 +145,12 @@ def bwrap_argv(*, sandbox_id: str, disk_mb: int, seccomp_fd: int, agent_fd: int,
     return a
 
 
+def _own_pts(pts_dir: str | None) -> list[str]:
+    return ["--dev-bind", pts_dir, "/dev/pts"] if pts_dir else []
+
+
 def bwrap_template_argv(*, sandbox_id: str, root_fds: dict[str, int], disk_mb: int, seccomp_fd: int,
-                        agent_fd: int, listen_fd: int, env: dict[str, str]) -> list[str]:
+                        agent_fd: int, listen_fd: int, env: dict[str, str], pts_dir: str | None = None) -> list[str]:
     """Like bwrap_argv, but / is the template overlay (rootfs.py): /etc and the trust files
     are already in its upper layer; / is read-only, /workspace and /tmp (the sandbox's part
     of the writable layer) are separate read-write binds. The overlay is passed as O_PATH
@@ -157,7 +163,7 @@ def bwrap_template_argv(*, sandbox_id: str, root_fds: dict[str, int], disk_mb: i
         a += ["--setenv", k, v]
     for dest in ("/", "/workspace", "/tmp"):
         a += ["--bind-fd", str(root_fds[dest]), dest]
-    a += ["--proc", "/proc", "--dev", "/dev", "--size", str(disk_mb << 20), "--tmpfs", "/dev/shm",
+    a += ["--proc", "/proc", "--dev", "/dev", *_own_pts(pts_dir), "--size", str(disk_mb << 20), "--tmpfs", "/dev/shm",
           "--ro-bind-fd", str(agent_fd), AGENT_PATH,
           "--remount-ro", "/", "--seccomp", str(seccomp_fd), "--chdir", "/workspace",
           AGENT_PATH, "--listen-fd", str(listen_fd)]
@@ -577,6 +583,7 @@ class NamespaceBackend:
         """Claim the launcher (spawned now into cg when none was pooled) with bwrap's argv."""
         sid = h.sandbox_id
         fds: list[int] = []        # in the order the command gets them: 3, 4, ...
+        pts_dir = self.roots_dir / PTS_DIR / sid
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(h.data["socket"])
@@ -599,6 +606,10 @@ class NamespaceBackend:
 
             seccomp_fd = memfd("seccomp", self._seccomp)
             agent_fd = opened(str(self.agent_binary), os.O_PATH)
+            try:
+                ptys.mount_instance(pts_dir)
+            except OSError as e:
+                raise SandboxError(f"sandbox start failed: {e}") from None
             if h.data.get("template"):
                 root = self._template_root(h, spec, gateway_ip)
                 root_fds = {dest: opened(root + dest, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -607,7 +618,7 @@ class NamespaceBackend:
                 argv = bwrap_template_argv(sandbox_id=sid, root_fds={d: n[fd] for d, fd in root_fds.items()},
                                            disk_mb=spec.limits.disk_mb, seccomp_fd=n[seccomp_fd],
                                            agent_fd=n[agent_fd], listen_fd=n[listener.fileno()],
-                                           env=self._base_env(h, {}))
+                                           env=self._base_env(h, {}), pts_dir=str(pts_dir))
             else:
                 etc_dir_fd = opened(h.data["etc_dir"], os.O_PATH | os.O_DIRECTORY)
                 mine = etc_files(sid, gateway_ip, b"")
@@ -616,7 +627,7 @@ class NamespaceBackend:
                 argv = bwrap_argv(sandbox_id=sid, disk_mb=spec.limits.disk_mb, seccomp_fd=n[seccomp_fd],
                                   agent_fd=n[agent_fd], listen_fd=n[listener.fileno()], etc_dir_fd=n[etc_dir_fd],
                                   etc_fds={rel: n[fd] for rel, fd in etc_fds.items()},
-                                  usr_links=self._usr_links, env=base_env(sid))
+                                  usr_links=self._usr_links, env=base_env(sid), pts_dir=str(pts_dir))
             added = view_additions(launcher_view(argv, fd_paths), self._view)
             t0 = time.monotonic()
             with phases.phase("spawn"):
@@ -642,6 +653,7 @@ class NamespaceBackend:
                         os.close(fd)
         finally:
             listener.close()    # the agent holds the only listening copy now
+            ptys.release(pts_dir)   # the launcher got its clone with the claim
             for fd in fds[1:]:
                 with suppress(OSError):
                     os.close(fd)

@@ -125,12 +125,12 @@ class StateStore:
         return _record(row) if row else None
 
     def charges(self) -> list[SandboxRecord]:
-        """Every record with only id, backend, limits and state filled in: what admission
+        """Every record with only id, tenant, backend, limits and state filled in: what admission
         reads for each create, without parsing every handle."""
         with self._lock:
-            rows = self._db.execute("SELECT id, backend, limits, state FROM sandboxes").fetchall()
-        return [SandboxRecord(sid, "", backend, {}, Limits(**json.loads(limits)), state)
-                for sid, backend, limits, state in rows]
+            rows = self._db.execute("SELECT id, tenant, backend, limits, state FROM sandboxes").fetchall()
+        return [SandboxRecord(sid, tenant, backend, {}, Limits(**json.loads(limits)), state)
+                for sid, tenant, backend, limits, state in rows]
 
     def all(self) -> list[SandboxRecord]:
         with self._lock:

@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: GPL-2.0
 // cubevs switch: TC ingress on the hub side of every sandbox veth (= packets
 // coming FROM the sandbox).  Anti-spoof (IP+MAC, ARP), no IPv6, no
-// sandbox->sandbox, no host services except gateway ports + our DNS, TCP
+// sandbox->sandbox, no host services except gateway ports + our DNS (the host:
+// the gateway ip, hub_addrs, loopback, multicast, broadcast, and for l4_allow
+// whatever the hub routes to itself), TCP
 // 80/443 passed on (steered to the gateway by nftables REDIRECT in the hub),
 // everything else only if listed in l4_allow.  Every verdict is counted per
 // sandbox and reason; drops are reported through a ring buffer.
@@ -168,14 +170,16 @@ static __noinline void report_drop(const struct event *e)
 	bpf_ringbuf_output(&events, (void *)e, sizeof(*e), 0);   // ring full: still counted
 }
 
-static __always_inline int verdict(struct __sk_buff *skb, __u32 sandbox_no, __u32 reason,
+// ifindex: the caller's copy of skb->ifindex (a second read of it lets clang keep a ctx+off
+// pointer in a register, which the verifier refuses)
+static __always_inline int verdict(struct __sk_buff *skb, __u32 ifindex, __u32 sandbox_no, __u32 reason,
 				   __u32 saddr, __u32 daddr, __u8 proto, __u16 dport)
 {
 	count(sandbox_no, reason, skb->len);
 	if (is_allow(reason))
 		return TC_ACT_OK;
 	struct event e = {
-		.ts_ns = bpf_ktime_get_ns(), .ifindex = skb->ifindex, .sandbox_no = sandbox_no,
+		.ts_ns = bpf_ktime_get_ns(), .ifindex = ifindex, .sandbox_no = sandbox_no,
 		.reason = reason, .saddr = saddr, .daddr = daddr, .dport = dport, .proto = proto,
 	};
 	report_drop(&e);
@@ -217,6 +221,25 @@ static __always_inline int l4_allowed(__u32 sandbox_no, __u8 proto, __u16 dport,
 	return bpf_map_lookup_elem(&l4_allow, &k) != 0;
 }
 
+#define AF_INET 2
+// Would the hub deliver daddr to itself (one of its addresses, also one added after the
+// switch started and so in no map; a broadcast or multicast route)? Then it is a host
+// service, whatever l4_allow says: an allowed range may hold an address of the host.
+// Fail closed: a lookup that cannot say (an error, forwarding off) counts as the host.
+static __always_inline int hub_delivers_locally(struct __sk_buff *skb, __u32 ifindex, __u32 saddr,
+						__u32 daddr, __u8 l4, __u16 dport)
+{
+	struct bpf_fib_lookup p = {};
+	p.family = AF_INET;
+	p.l4_protocol = l4;
+	p.dport = bpf_htons(dport);
+	p.ipv4_src = saddr;
+	p.ipv4_dst = daddr;
+	p.ifindex = ifindex;
+	long rc = bpf_fib_lookup(skb, &p, sizeof(p), 0);
+	return rc < 0 || rc == BPF_FIB_LKUP_RET_NOT_FWDED || rc == BPF_FIB_LKUP_RET_FWD_DISABLED;
+}
+
 SEC("tc")
 int cubevs_ingress(struct __sk_buff *skb)
 {
@@ -228,59 +251,59 @@ int cubevs_ingress(struct __sk_buff *skb)
 	struct sandbox *sb = bpf_map_lookup_elem(&sandboxes, &ifindex);
 	struct config *cfg = bpf_map_lookup_elem(&config, &zero);
 	if (!sb || !cfg || !(sb->flags & SB_F_ENABLED))
-		return verdict(skb, 0, R_UNKNOWN_SANDBOX, 0, 0, 0, 0);
+		return verdict(skb, ifindex, 0, R_UNKNOWN_SANDBOX, 0, 0, 0, 0);
 	__u32 no = sb->sandbox_no;
 
 	struct ethhdr *eth = data;
 	if ((void *)(eth + 1) > data_end)
-		return verdict(skb, no, R_MALFORMED, 0, 0, 0, 0);
+		return verdict(skb, ifindex, no, R_MALFORMED, 0, 0, 0, 0);
 
 	__u16 proto = bpf_ntohs(eth->h_proto);
 	if (proto == ETH_P_IPV6)
-		return verdict(skb, no, R_IPV6, 0, 0, 0, 0);
+		return verdict(skb, ifindex, no, R_IPV6, 0, 0, 0, 0);
 
 	if (proto == ETH_P_ARP) {
 		struct arp_eth_ipv4 *arp = (void *)(eth + 1);
 		if ((void *)(arp + 1) > data_end)
-			return verdict(skb, no, R_MALFORMED, 0, 0, 0, 0);
+			return verdict(skb, ifindex, no, R_MALFORMED, 0, 0, 0, 0);
 		__u32 spa, tpa;
 		__builtin_memcpy(&spa, arp->spa, 4);
 		__builtin_memcpy(&tpa, arp->tpa, 4);
 		if (arp->h.ar_hrd != bpf_htons(ARPHRD_ETHER) || arp->h.ar_pro != bpf_htons(ETH_P_IP) ||
 		    arp->h.ar_hln != ETH_ALEN || arp->h.ar_pln != 4)
-			return verdict(skb, no, R_MALFORMED, spa, tpa, 0, 0);
+			return verdict(skb, ifindex, no, R_MALFORMED, spa, tpa, 0, 0);
 		if (!mac_eq(eth->h_source, sb->mac) || !mac_eq(arp->sha, sb->mac) || spa != sb->ip)
-			return verdict(skb, no, R_ARP_SPOOF, spa, tpa, 0, 0);
+			return verdict(skb, ifindex, no, R_ARP_SPOOF, spa, tpa, 0, 0);
 		// Only ask for the gateway, or announce itself (gratuitous ARP).
 		if (tpa != cfg->gateway_ip && tpa != sb->ip)
-			return verdict(skb, no, R_ARP_SPOOF, spa, tpa, 0, 0);
-		return verdict(skb, no, R_ARP, spa, tpa, 0, 0);
+			return verdict(skb, ifindex, no, R_ARP_SPOOF, spa, tpa, 0, 0);
+		return verdict(skb, ifindex, no, R_ARP, spa, tpa, 0, 0);
 	}
 
 	if (proto != ETH_P_IP)
-		return verdict(skb, no, R_ETHERTYPE, 0, 0, 0, 0);
+		return verdict(skb, ifindex, no, R_ETHERTYPE, 0, 0, 0, 0);
 
 	struct iphdr *ip = (void *)(eth + 1);
 	if ((void *)(ip + 1) > data_end)
-		return verdict(skb, no, R_MALFORMED, 0, 0, 0, 0);
+		return verdict(skb, ifindex, no, R_MALFORMED, 0, 0, 0, 0);
 	__u32 saddr = ip->saddr, daddr = ip->daddr;
 	__u8 l4 = ip->protocol;
 	if (ip->version != 4 || ip->ihl < 5)
-		return verdict(skb, no, R_MALFORMED, saddr, daddr, l4, 0);
+		return verdict(skb, ifindex, no, R_MALFORMED, saddr, daddr, l4, 0);
 	if (!mac_eq(eth->h_source, sb->mac))
-		return verdict(skb, no, R_SPOOF_MAC, saddr, daddr, l4, 0);
+		return verdict(skb, ifindex, no, R_SPOOF_MAC, saddr, daddr, l4, 0);
 	if (saddr != sb->ip)
-		return verdict(skb, no, R_SPOOF_IP, saddr, daddr, l4, 0);
+		return verdict(skb, ifindex, no, R_SPOOF_IP, saddr, daddr, l4, 0);
 	// Fragments carry no (or a partial) L4 header: fail closed.
 	if (ip->frag_off & bpf_htons(0x3fff))
-		return verdict(skb, no, R_FRAGMENT, saddr, daddr, l4, 0);
+		return verdict(skb, ifindex, no, R_FRAGMENT, saddr, daddr, l4, 0);
 
 	__u16 dport = 0;
 	void *l4h = (void *)ip + ip->ihl * 4;
 	if (l4 == IPPROTO_TCP || l4 == IPPROTO_UDP) {
 		struct udphdr *uh = l4h;   // ports sit at the same offsets in TCP and UDP
 		if ((void *)(uh + 1) > data_end)
-			return verdict(skb, no, R_MALFORMED, saddr, daddr, l4, 0);
+			return verdict(skb, ifindex, no, R_MALFORMED, saddr, daddr, l4, 0);
 		dport = bpf_ntohs(uh->dest);
 	}
 
@@ -293,22 +316,25 @@ int cubevs_ingress(struct __sk_buff *skb)
 #pragma unroll
 			for (int i = 0; i < MAX_GW_PORTS; i++)
 				if (i < n && cfg->gw_ports[i] == dport)
-					return verdict(skb, no, R_GATEWAY, saddr, daddr, l4, dport);
+					return verdict(skb, ifindex, no, R_GATEWAY, saddr, daddr, l4, dport);
 		}
 		if ((l4 == IPPROTO_UDP || l4 == IPPROTO_TCP) && dport == cfg->dns_port &&
 		    daddr == cfg->gateway_ip)
-			return verdict(skb, no, R_DNS, saddr, daddr, l4, dport);
-		return verdict(skb, no, R_HOST_SERVICE, saddr, daddr, l4, dport);
+			return verdict(skb, ifindex, no, R_DNS, saddr, daddr, l4, dport);
+		return verdict(skb, ifindex, no, R_HOST_SERVICE, saddr, daddr, l4, dport);
 	}
 	if ((daddr & cfg->pool_mask) == cfg->pool_net)
-		return verdict(skb, no, R_SANDBOX_TO_SANDBOX, saddr, daddr, l4, dport);
+		return verdict(skb, ifindex, no, R_SANDBOX_TO_SANDBOX, saddr, daddr, l4, dport);
 	if (l4 == IPPROTO_TCP && (dport == cfg->web_ports[0] || dport == cfg->web_ports[1]))
-		return verdict(skb, no, R_WEB, saddr, daddr, l4, dport);
+		return verdict(skb, ifindex, no, R_WEB, saddr, daddr, l4, dport);
 	if (l4 == IPPROTO_UDP && dport == 443)
-		return verdict(skb, no, R_QUIC, saddr, daddr, l4, dport);
+		return verdict(skb, ifindex, no, R_QUIC, saddr, daddr, l4, dport);
 	if ((l4 == IPPROTO_UDP || l4 == IPPROTO_TCP) && (dport == 53 || dport == cfg->dns_port))
-		return verdict(skb, no, R_FOREIGN_DNS, saddr, daddr, l4, dport);
-	if (l4_allowed(no, l4, dport, daddr))
-		return verdict(skb, no, R_L4_ALLOW, saddr, daddr, l4, dport);
-	return verdict(skb, no, R_PORT_NOT_ALLOWED, saddr, daddr, l4, dport);
+		return verdict(skb, ifindex, no, R_FOREIGN_DNS, saddr, daddr, l4, dport);
+	if (l4_allowed(no, l4, dport, daddr)) {
+		if (hub_delivers_locally(skb, ifindex, saddr, daddr, l4, dport))
+			return verdict(skb, ifindex, no, R_HOST_SERVICE, saddr, daddr, l4, dport);
+		return verdict(skb, ifindex, no, R_L4_ALLOW, saddr, daddr, l4, dport);
+	}
+	return verdict(skb, ifindex, no, R_PORT_NOT_ALLOWED, saddr, daddr, l4, dport);
 }

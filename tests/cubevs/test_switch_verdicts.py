@@ -1,5 +1,5 @@
-"""The switch program's decisions, frame by frame, with BPF_PROG_TEST_RUN: no namespaces,
-no veths.  The maps are populated by the real control plane (EbpfBackend, as the Switch
+"""The switch program's decisions, frame by frame, with BPF_PROG_TEST_RUN: no sandbox
+namespaces, no switch veths.  The maps are populated by the real control plane (EbpfBackend, as the Switch
 does) in a private bpffs; each crafted frame is run once in the kernel and must give
 the expected verdict (TC_ACT_OK / TC_ACT_SHOT), count exactly one packet of its length
 under the expected reason, and, for drops, report one event with that reason.
@@ -9,7 +9,11 @@ where only mark, priority, ingress_ifindex and ifindex may be set (EINVAL otherw
 ifindex must exist in the caller's netns (ENODEV; default lo), so the sandbox entry is
 keyed by lo's ifindex; an IPv4 frame must hold a full IP header (>= 34 bytes), an IPv6
 one >= 54, other ethertypes >= 14; at most 3712 bytes (a page minus head/tailroom);
-data_out smaller than the packet fails with ENOSPC."""
+data_out smaller than the packet fails with ENOSPC.
+
+The runs happen in a namespace of this module's own (lo forwarding, a veth pair routing the
+"internet" ranges, the hub's address HUB_OWN on it): an l4-allowed packet is looked up in
+the FIB of the caller's netns (hub_delivers_locally), which must be the hub's stand-in."""
 from __future__ import annotations
 
 import ctypes
@@ -18,9 +22,12 @@ import os
 import shutil
 import tempfile
 
+import secrets
+import subprocess
+
 import pytest
 
-from cubevs import build, datapath, libbpf
+from cubevs import build, datapath, libbpf, netns
 from cubevs.ebpf_backend import EbpfBackend
 from cubevs.libbpf import TC_ACT_OK, TC_ACT_SHOT, BpfError, SkBuffCtx, prog_test_run
 from cubevs.policy import normalize_l4
@@ -40,6 +47,7 @@ EVIL_MAC = "02:00:de:ad:be:ef"
 INET, INET_NET = "198.51.100.10", "198.51.100.0/24"
 ANY_UDP_NET, ANY_UDP = "203.0.113.0/24", "203.0.113.9"
 L4_RULES = [(f"{INET}/32", 5432, "tcp"), (ANY_UDP_NET, 0, "udp"), (INET_NET, 0, "icmp")]
+HUB_OWN = "198.51.100.1"    # the hub's own address in an allowed range (its uplink, say)
 MF = 0x2000                 # IPv4 "more fragments" flag
 
 
@@ -102,6 +110,9 @@ TABLE = [
     ("l4 any-port udp rule", udp(ANY_UDP, 9999), "l4_allow"),
     ("l4 any-port udp rule, tcp", tcp(ANY_UDP, 9999), "port_not_allowed"),
     ("l4 icmp rule", ip_frame(ipv4_icmp_echo(A, "198.51.100.20")), "l4_allow"),
+    ("l4 rule covering the hub's own address", ip_frame(ipv4_icmp_echo(A, HUB_OWN)), "host_service"),
+    ("l4 rule covering a broadcast of the hub", ip_frame(ipv4_icmp_echo(A, "198.51.100.255")), "host_service"),
+    ("l4 any-port rule to the hub's own address", udp("203.0.113.1", 9999), "host_service"),
     ("icmp not listed", ip_frame(ipv4_icmp_echo(A, ANY_UDP)), "port_not_allowed"),
     ("ssh out", tcp(INET, 22), "port_not_allowed"),
     ("first fragment", udp(INET, 443, frag=MF), "fragment"),
@@ -114,7 +125,26 @@ TABLE = [
 
 
 @pytest.fixture(scope="module")
-def backend():
+def run_ns():
+    """Where the frames run: lo forwards (as a hub-side veth does) and the hub routes the
+    'internet' ranges over a veth pair that holds its own addresses there."""
+    name = "cgvt" + secrets.token_hex(4)
+    ip = ["ip", "-n", name]
+    netns.create(name)
+    try:
+        for cmd in (["link", "set", "lo", "up"],
+                    ["link", "add", "vt0", "type", "veth", "peer", "name", "vt1"],
+                    ["addr", "add", f"{HUB_OWN}/24", "dev", "vt0"], ["addr", "add", "203.0.113.1/24", "dev", "vt0"],
+                    ["link", "set", "vt0", "up"], ["link", "set", "vt1", "up"]):
+            subprocess.run(ip + cmd, check=True, capture_output=True, timeout=10)
+        netns.write_sysctl(name, "net.ipv4.conf.lo.forwarding", 1)
+        yield name
+    finally:
+        netns.remove(name)
+
+
+@pytest.fixture(scope="module")
+def backend(run_ns):
     """The switch's control plane on a private bpffs, configured as Switch() does."""
     tmp = tempfile.mkdtemp(prefix="cgvt")
     pins = os.path.join(tmp, "bpf")
@@ -125,6 +155,7 @@ def backend():
         entry = Entry("vt-a", A_NO, A, A_MAC, LO, "unused-netns", "unused-veth", normalize_l4(L4_RULES))
         be.dp.put_sandbox(entry.ifindex, ip=entry.ip, mac=entry.mac, sandbox_no=entry.sandbox_no)
         be.set_l4(entry, entry.l4_allow)   # what add() does before it attaches (not here)
+        be.run_ns = run_ns
         yield be
     finally:
         if be is not None:
@@ -139,7 +170,8 @@ def run(be: EbpfBackend, frame: bytes) -> tuple[int, dict, list]:
     """(tc verdict, counter increments, drop events) of one run of frame on LO."""
     be.drain_events(1000)
     before = be.counters()
-    res = prog_test_run(be.dp.prog_fd, frame, ctx=SkBuffCtx(ifindex=LO), data_out_size=0)
+    with netns.entered(be.run_ns):
+        res = prog_test_run(be.dp.prog_fd, frame, ctx=SkBuffCtx(ifindex=LO), data_out_size=0)
     after = be.counters()
     delta = {k: (p - before.get(k, (0, 0))[0], b - before.get(k, (0, 0))[1])
              for k, (p, b) in after.items() if (p, b) != before.get(k)}

@@ -154,5 +154,6 @@ rules:
   - {name: c, action: deny, match: {cidrs: [10.7.0.0/16], ports: [22]}}
   - {name: d, action: allow, match: {hosts: [api.example.com]}}
 """)
-    rules = l4_allow_for(load_policy_files([p]), "any", {})
+    from egress.netguard import AddressGuard
+    rules = l4_allow_for(load_policy_files([p]), "any", {}, guard=AddressGuard(allow_cidrs=["10.0.0.0/8"]))
     assert rules == [("10.8.0.1/32", 0, "tcp"), ("10.9.0.0/24", 5432, "tcp"), ("10.9.0.0/24", 6379, "tcp")]

@@ -36,7 +36,7 @@ def test_non_positive_limits_are_refused(bad):
 
 def test_reserved_sums_limits_and_exact_fill_is_allowed():
     u = reserved([Limits(memory_mb=512, cpus=1.0), Limits(memory_mb=256, cpus=0.5)])
-    assert u == Usage(2, 768, 1.5)
+    assert (u.sandboxes, u.memory_mb, u.cpus) == (2, 768, 1.5)
     admit(B, u, Limits(memory_mb=256, cpus=0.5), None)       # exactly full: allowed
     with pytest.raises(CapacityError):
         admit(B, reserved([Limits(memory_mb=512, cpus=1.0)] * 2), Limits(memory_mb=1, cpus=0.01), None)
@@ -46,4 +46,4 @@ def test_default_budget_comes_from_the_machine():
     mi = meminfo_mb()
     b = default_budget(host_reserve_mb=512)
     assert b.memory_mb == mi["MemTotal"] - 512 and b.cpus >= 1
-    assert default_budget(memory_mb=100, cpus=0.5) == Budget(100, 0.5, 1000, 512)
+    assert default_budget(memory_mb=100, cpus=0.5, pids=4096) == Budget(100, 0.5, 1000, 512, 4096)
