@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,31 @@ import pytest
 # part, alone on the machine, so the other workers' load cannot be what fails them.
 SERIAL = ("soak/", "bench/", "faults/", "gateway/test_workers.py")
 _TESTS = Path(__file__).parent
+_SHORT_BASETEMP = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(tryfirst=True)   # before the tmp_path factory reads --basetemp
+def pytest_configure(config):
+    """Under xdist a worker's tmp dirs are <basetemp>/popen-gwN: below pytest's own root
+    (/tmp/pytest-of-root/pytest-NNNN) that is too long for a sandbox's agent socket (a unix socket
+    path has 108 bytes). So a parallel run gets a short root of its own, removed when the run passes."""
+    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput") \
+            and not config.option.basetemp:
+        config.option.basetemp = config.stash[_SHORT_BASETEMP] = tempfile.mkdtemp(prefix="cgt-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    short = session.config.stash.get(_SHORT_BASETEMP, None)
+    # a failed run keeps its dirs to look at, as pytest's own do; so does one that left a mount
+    # inside them (removing through a leaked bind mount would remove what it shows)
+    if short and exitstatus == 0 and not _mounts_under(short):
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def _mounts_under(root: str) -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f]
+    return [p for p in points if p.startswith(root.rstrip("/") + "/")]
 
 
 @pytest.hookimpl(tryfirst=True)   # before -m deselects by marker
