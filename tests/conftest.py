@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 # Load- and timing-sensitive tests (a soak's RSS and error bounds, the benches' figures, kill -9 and
-# slow-client faults, rolling restarts, deadline asserts): `make test` runs them after the parallel
-# part, alone on the machine, so the other workers' load cannot be what fails them.
-SERIAL = ("soak/", "bench/", "faults/", "gateway/test_workers.py")
+# slow-client faults, rolling restarts, deadline asserts, microVMs booted under TCG with exec
+# deadlines, an event stream read event by event): `make test` runs them after the parallel part,
+# alone on the machine, so the other workers' load cannot be what fails them.
+SERIAL = ("soak/", "bench/", "faults/", "gateway/test_workers.py", "gateway/test_sse_stream.py",
+          "sandbox_runtime/test_microvm.py", "sandbox_runtime/test_microvm_templates.py")
 _TESTS = Path(__file__).parent
 _SHORT_BASETEMP = pytest.StashKey[str]()
 
