@@ -32,8 +32,15 @@ bpf: venv
 demo: setup
 	$(VENV)/bin/cubegate demo
 
+# Most tests wait (process starts, network, timeouts): they share the cores on TEST_WORKERS workers,
+# a file per worker (its module fixtures start once). The load- and timing-sensitive ones (marker
+# serial, tests/conftest.py) run after, alone. Both parts always run; make fails if either failed.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider
+	@rc=0; \
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile -m "not serial" || rc=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider -m serial || rc=$$?; \
+	exit $$rc
 
 bench: setup
 	$(PY) bench/run_all.py

@@ -100,6 +100,7 @@ class LoadGen:
         self.run_tag = spec.get("run_tag", "r")
         self.secrets = [s.encode() for s in spec.get("secrets", [])]
         self.retry_refused = bool(spec.get("retry_refused", True))
+        self.stop_file = spec.get("stop_file")   # its appearance ends the load before `duration`
         self.rng = random.Random(spec.get("seed", 1))
         self._ips = itertools.count(int(spec.get("ip_base", 1 << 16)))
         self._paths = itertools.count(1)
@@ -234,8 +235,11 @@ class LoadGen:
         t0 = time.perf_counter()
         self.deadline = time.monotonic() + self.duration
         tasks = [asyncio.create_task(self.sandbox_loop(sb, tok, sem)) for sb, tok in self.sandboxes]
+        watch = asyncio.create_task(self._stop_when_asked()) if self.stop_file else None
         # hard bound: the duration plus one operation timeout
         done, pending = await asyncio.wait(tasks, timeout=self.duration + OP_TIMEOUT + 5)
+        if watch is not None:
+            watch.cancel()
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
@@ -243,6 +247,13 @@ class LoadGen:
         ru1 = resource.getrusage(resource.RUSAGE_SELF)
         cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
         return self.result(wall, cpu, cancelled=len(pending))
+
+    async def _stop_when_asked(self) -> None:
+        while time.monotonic() < self.deadline:
+            if os.path.exists(self.stop_file):
+                self.deadline = time.monotonic()
+                return
+            await asyncio.sleep(0.05)
 
     def result(self, wall: float, cpu: float, cancelled: int = 0) -> dict:
         all_lat = sorted(x for v in self.stats.lat.values() for x in v)

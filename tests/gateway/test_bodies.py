@@ -86,7 +86,7 @@ def test_response_is_decoded_and_scrubbed_across_chunks():
     (b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03broken", "response_undecodable"),
     (gzip.compress(b"x" * 100)[:-6], "response_undecodable"),                       # truncated
     (gzip.compress(b"v=" + "".join(f"\\u{b:04X}" for b in SECRET).encode()), "response_unscrubbable"),
-])
+], ids=["broken-header", "truncated", "escaped-key"])   # gzip's bytes carry the time: no stable id
 def test_response_that_cannot_be_made_safe_is_refused(body, reason):
     with pytest.raises(BodyRefused) as e:
         scrub_response_body(body, "gzip", value_forms(SECRET), LIMITS)

@@ -26,8 +26,9 @@ from tests.soak.soakkit import SECRET_ID
 pytestmark = pytest.mark.netns
 
 N_SANDBOXES = 20
-LOAD_SECONDS = 16.0      # the new gateway may take ~6 s to be ready on a loaded 2-core box: load must outlast it
-RESTART_AT = 4.0
+LOAD_SECONDS = 40.0      # a bound: the load ends AFTER_READY s after the new gateway is ready (~6 s on a
+RESTART_AT = 4.0         # loaded 2-core box, 15 s seen on a shared one), so it always outlasts the restart
+AFTER_READY = 4.0
 DRAIN_SECONDS = 5.0
 
 
@@ -63,8 +64,9 @@ def test_rolling_restart_loses_no_audit_record(lab, tmp_path):
     gw = soakkit.make_gateway(lab, tmp_path / "gw", N_SANDBOXES, secret, drain_seconds=DRAIN_SECONDS)
     old = gw.proc
     try:
+        stop = tmp_path / "spool" / "stop"
         spec = soakkit.spec_for(gw, lab, duration=LOAD_SECONDS, max_requests=10_000, concurrency=12,
-                                run_tag="rr", ip_base=3 << 16, secrets=[secret], seed=5)
+                                run_tag="rr", ip_base=3 << 16, secrets=[secret], seed=5, stop_file=str(stop))
         load_proc, out = soakkit.start_load(lab, spec, tmp_path / "spool")
         time.sleep(RESTART_AT)
         t_term = time.time()
@@ -77,6 +79,8 @@ def test_rolling_restart_loses_no_audit_record(lab, tmp_path):
         t_ready = time.time()
         assert old.wait(DRAIN_SECONDS + 5) == 0, gw.log()
         t_old_exit = time.time()
+        time.sleep(max(0.0, t_ready + AFTER_READY - time.time()))
+        stop.touch()
         res = soakkit.finish_load(load_proc, out, LOAD_SECONDS + 30)
         records = soakkit.settle(gw)
     finally:
