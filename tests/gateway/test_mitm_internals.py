@@ -1,12 +1,19 @@
 """mitmproxy internals the gateway depends on: this fails when an upgrade moves them."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import types
+from typing import Optional, Sequence
 
+import pytest
+from hypothesis import given, settings, strategies as st_
+from mitmproxy import http as _mhttp, options, optmanager
 from mitmproxy.addons import proxyserver
 from mitmproxy.proxy import server
 from mitmproxy.proxy.layers import websocket
 from mitmproxy.proxy.layers.http import _http1
+from mitmproxy.utils import typecheck as _typecheck
 
 from egress import mitm_internals
 
@@ -207,3 +214,78 @@ def test_a_pinned_upstream_gets_its_name_back_and_is_reused_for_it():
     assert s.address == ("api.example.test", 443)
     assert GetHttpConnection(("api.example.test", 443), True, None).connection_spec_matches(s)
     assert not GetHttpConnection(("198.18.0.10", 443), True, None).connection_spec_matches(s)
+
+
+# -- the message type check and option reads (cheaper, same answers) -----------------------------
+
+_ANY_VALUE = st_.one_of(st_.none(), st_.booleans(), st_.integers(), st_.floats(allow_nan=False), st_.binary(max_size=4),
+                        st_.text(max_size=4), st_.just(_mhttp.Headers()), st_.just([b"x"]), st_.just((1, 2)))
+
+
+def _mitmproxys_check(cls, obj) -> bool:
+    """What MessageData.__post_init__ does, field by field: True when every field passes."""
+    try:
+        for f in dataclasses.fields(cls):
+            _typecheck.check_option_type(f.name, getattr(obj, f.name), f.type)
+    except TypeError:
+        return False
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(cls=st_.sampled_from([_mhttp.RequestData, _mhttp.ResponseData]), data=st_.data())
+def test_the_fast_message_check_answers_as_mitmproxys(cls, data):
+    """Each field's value of any type, well typed or not: ours refuses exactly what mitmproxy's refuses,
+    with mitmproxy's own TypeError."""
+    good = {"http_version": b"HTTP/1.1", "headers": _mhttp.Headers(), "content": b"", "trailers": None,
+            "timestamp_start": 1.0, "timestamp_end": None, "host": "h", "port": 443, "method": b"GET",
+            "scheme": b"https", "authority": b"", "path": b"/", "status_code": 200, "reason": b"OK"}
+    names = [f.name for f in dataclasses.fields(cls)]
+    values = {n: good[n] for n in names}
+    for n in data.draw(st_.lists(st_.sampled_from(names), max_size=3, unique=True)):
+        values[n] = data.draw(_ANY_VALUE)
+    obj = types.SimpleNamespace(**values)
+    check = mitm_internals._message_checker(cls)
+    if _mitmproxys_check(cls, obj):
+        check(obj)
+    else:
+        with pytest.raises(TypeError, match="^Expected "):
+            check(obj)
+
+
+def test_the_fast_message_check_is_what_mitmproxy_builds_messages_with():
+    """mitmproxy still checks each field in __post_init__ (else there would be nothing to keep), and
+    once installed a message is checked by ours: a wrong type is refused, a right one built."""
+    src = inspect.getsource(_mhttp.MessageData)
+    assert "def __post_init__(self):" in src and "typecheck.check_option_type(field.name, val, field.type)" in src
+    mitm_internals.install_fast_message_check()
+    mitm_internals.install_fast_message_check()                  # idempotent
+    assert mitm_internals.fast_message_check_installed()
+    ok = _mhttp.Request("h", 443, b"GET", b"https", b"", b"/", b"HTTP/1.1", _mhttp.Headers(), b"", None, 1, None)
+    assert ok.port == 443 and ok.timestamp_start == 1        # an int where a float goes: accepted, as before
+    with pytest.raises(TypeError, match="Expected <class 'int'> for port"):
+        _mhttp.Request("h", "443", b"GET", b"https", b"", b"/", b"HTTP/1.1", _mhttp.Headers(), b"", None, 1.0, None)
+    with pytest.raises(TypeError, match="for reason"):
+        _mhttp.ResponseData(http_version=b"HTTP/1.1", headers=_mhttp.Headers(), content=b"", trailers=None,
+                            timestamp_start=1.0, timestamp_end=None, status_code=200, reason="OK")
+
+
+def test_option_reads_copy_what_is_mutable_and_only_that():
+    assert "copy.deepcopy(v)" in inspect.getsource(optmanager._Option.current._cubegate_original
+                                                   if mitm_internals.cheap_option_reads_installed()
+                                                   else optmanager._Option.current)
+    mitm_internals.install_cheap_option_reads()
+    mitm_internals.install_cheap_option_reads()                  # idempotent
+    assert mitm_internals.cheap_option_reads_installed()
+    o = options.Options()
+    o.add_option("cg_seq", Sequence[str], ["a"], "")
+    o.add_option("cg_limit", Optional[int], None, "")
+    o.add_option("cg_name", str, "x", "")
+    assert o.cg_limit is None and o.cg_name == "x"
+    o.update(cg_limit=5, cg_seq=["b"])
+    assert o.cg_limit == 5
+    got = o.cg_seq
+    got.append("mutated")                         # a copy: the option itself is unchanged
+    assert o.cg_seq == ["b"] and o.cg_seq is not o.cg_seq
+    o.reset()
+    assert o.cg_seq == ["a"] and o.cg_limit is None
