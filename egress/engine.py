@@ -44,6 +44,8 @@ def build_master(
     log_redact.install()                         # no engine log line does either
     mitm_internals.install_fast_message_check()  # the same type check of each message, ~4x cheaper
     mitm_internals.install_cheap_option_reads()  # an option read copies only what is mutable
+    mitm_internals.install_fast_header_lookups() # Headers get / in / get_all: same answers, no mixins
+    mitm_internals.install_cached_hook_args()    # a hook's field names read once per hook class
     opts = options.Options()
     master = Master(opts, with_termlog=False)
     mitm_internals.install_hook_table(master)    # each hook's implementers found once, not per event

@@ -516,6 +516,7 @@ class PolicyGate:
                 return
         self._wrap_reader(client, "out", st)
         mitm_internals.bound_hook_queue(client.id, HOOK_QUEUE_BYTES)
+        mitm_internals.cork_writes(client.id, client)   # one send per connection per event
 
     def _kill_if_open(self, conn_id: str) -> None:
         st = self.conns.get(conn_id)
@@ -1234,6 +1235,7 @@ class PolicyGate:
 
     def server_connected(self, data: server_hooks.ServerConnectionHookData) -> None:
         self._connect_done(data.server)
+        mitm_internals.cork_writes(data.client.id, data.server)
         name = mitm_internals.take_server_note(data.server, "dialled_name")
         if name is not None:            # reusable for the next request to the name (mitm_internals)
             mitm_internals.name_the_dialled_server(data.server, name)

@@ -136,8 +136,10 @@ def test_drain_addon_is_the_gateways_own(master):
     assert isinstance(master.addons.get("cubegate_drain"), DrainAddon)
 
 
-def test_the_engine_runs_with_the_cheaper_message_check_and_option_reads(master):
-    """build_master installs both (egress/mitm_internals.py: same answers, measured cuts)."""
+def test_the_engine_runs_with_the_cheaper_message_check_option_reads_and_header_lookups(master):
+    """build_master installs them (egress/mitm_internals.py: same answers, measured cuts)."""
     assert mitm_internals.fast_message_check_installed()
     assert mitm_internals.cheap_option_reads_installed()
+    assert mitm_internals.fast_header_lookups_installed()
+    assert mitm_internals.cached_hook_args_installed()
     assert master.options.connection_strategy == "lazy"      # read through the cheaper path
