@@ -882,7 +882,9 @@ class _BoundedReader:
         self._bound = bound
 
     async def read(self, n: int = -1) -> bytes:
-        await self._bound.room()
+        bound = self._bound
+        if bound.pending and bound.queued > bound.limit:   # room()'s own test, without a coroutine per read
+            await bound.room()
         data = await self._inner.read(n)
         self._bound.read(len(data))
         return data
