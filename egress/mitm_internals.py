@@ -1207,10 +1207,16 @@ def hook_completed_by_holder(handler, hook) -> bool:
     """From the hook's task, the hook done: True when its HookCompleted is queued for the lock's
     holder (the hook ran to its end inside the holder's event); False: report it as mitmproxy does."""
     cork = handler.__dict__.get("_cubegate_cork")
-    if cork is None or not cork.active:
+    if cork is None or not cork.active or hook.name not in _REPORTED_BY_HOLDER:
         return False
     cork.completed.append(_events.HookCompleted(hook))
     return True
+
+
+# The hooks of an HTTP message (four per request). Not next_layer: while no layer is decided,
+# NextLayer keeps every byte the client sends and asks again on each read; only the lock wait
+# between two asks paces that reading today (bounded in time by the head timer, in size by nothing).
+_REPORTED_BY_HOLDER = frozenset({"requestheaders", "request", "responseheaders", "response"})
 
 
 def cork_writes(client_id: str, conn: connection.Connection) -> bool:

@@ -472,6 +472,7 @@ class _Handler:
 def test_a_hook_done_inside_its_event_is_reported_by_the_holder_before_it_releases():
     import asyncio
     from mitmproxy.proxy import events
+    from mitmproxy.proxy.layer import NextLayerHook
     from mitmproxy.proxy.layers.http import HttpRequestHook
 
     async def main():
@@ -481,6 +482,8 @@ def test_a_hook_done_inside_its_event_is_reported_by_the_holder_before_it_releas
         def on_event(event):
             if event == "data":         # as mitmproxy starts a blocking hook: eagerly, inside the event
                 assert mitm_internals.hook_completed_by_holder(h, hook)
+                # next_layer is reported the usual way: its lock wait paces an undecided connection's reads
+                assert not mitm_internals.hook_completed_by_holder(h, NextLayerHook(None))
         h.on_event = on_event
         await h._server_event_lock.acquire()              # held: "earlier" queues for it
         earlier = asyncio.ensure_future(h.server_event("earlier"))
