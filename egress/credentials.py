@@ -20,6 +20,7 @@ from mitmproxy import http
 
 import vault as vaultlib
 from egress.http_checks import Refusal
+from egress.metrics import LabelCache
 
 log = logging.getLogger("cubegate.credentials")
 
@@ -36,6 +37,7 @@ class VaultCredentials:
                  scrub_bodies: bool = True):
         self.vault = vault
         self.metrics = metrics
+        self._injections = LabelCache(metrics.injections) if metrics is not None else None   # one per request
         self.alert = alert or (lambda rec: None)
         self.scrub_bodies = scrub_bodies
 
@@ -83,8 +85,8 @@ class VaultCredentials:
             req.headers.pop("range", None)
             req.headers.pop("if-range", None)
         flow.metadata[_INJECTION_KEY] = injection
-        if self.metrics is not None:
-            self.metrics.injections.labels(sandbox, injection.secret_id).inc()
+        if self._injections is not None:
+            self._injections(sandbox, injection.secret_id).inc()
         return {"secret": injection.secret_id, "version": injection.version,
                 "fingerprint": injection.fingerprint, "binding": injection.binding_id}
 

@@ -37,7 +37,7 @@ from egress.identity import Identity, IdentityStore, SandboxAddresses, accepted_
 from egress import records
 from egress.audit.record import now_ts
 from egress.refusal_budget import DEFAULT_REFUSALS_PER_INTERVAL, RefusalBudget
-from egress.metrics import GatewayMetrics
+from egress.metrics import GatewayMetrics, LabelCache
 from egress.policy import Decision, RequestInfo, normalize_host
 from egress.revocation import Closer, OpenConnection, Predicate, Registered, denied_by
 
@@ -162,6 +162,10 @@ class PolicyGate:
         self.resolver = resolver
         self.audit = audit
         self.metrics = metrics
+        # the per-request series' children, looked up once per label values (labels() locks and converts)
+        self._decision_count = LabelCache(metrics.decisions) if metrics is not None else None
+        self._latency = LabelCache(metrics.decision_latency) if metrics is not None else None
+        self._request_latency = LabelCache(metrics.request_latency) if metrics is not None else None
         self.credentials = credentials or NoCredentials()
         self.sandbox_lookup = sandbox_lookup
         self.sandbox_addresses = sandbox_addresses   # a sandbox's token works from its address only
@@ -363,7 +367,7 @@ class PolicyGate:
 
     def _count(self, st: ConnState, action: str, reason: str, stage: str) -> None:
         sandbox = st.identity.sandbox_id if st.identity else "-"
-        self.metrics.decisions.labels(sandbox, action, reason, stage).inc()
+        self._decision_count(sandbox, action, reason, stage).inc()
 
     def _deny(self, st: ConnState, reason: str, *, stage: str, status: int | None = None,
               flow: http.HTTPFlow | None = None, client: connection.Client | None = None,
@@ -517,6 +521,7 @@ class PolicyGate:
                 return
         self._wrap_reader(client, "out", st)
         mitm_internals.bound_hook_queue(client.id, HOOK_QUEUE_BYTES)
+        mitm_internals.cork_writes(client.id, client)   # one send per connection per event
 
     def _kill_if_open(self, conn_id: str) -> None:
         st = self.conns.get(conn_id)
@@ -582,7 +587,7 @@ class PolicyGate:
         decision, refusal = await self._destination(
             st, flow.request.host, flow.request.port, scheme=None, method=None, path=None)
         st.decision = decision
-        self.metrics.decision_latency.labels("connect").observe(time.perf_counter() - t0)
+        self._latency("connect").observe(time.perf_counter() - t0)
         if refusal is None and decision.action != "allow":
             refusal = records.policy_refusal(decision)
         if refusal is not None:
@@ -787,7 +792,7 @@ class PolicyGate:
                 injected = out
         if refusal is None and decision is not None:
             refusal = self._plan_request_body(flow, st)
-        self.metrics.decision_latency.labels("request").observe(time.perf_counter() - t0)
+        self._latency("request").observe(time.perf_counter() - t0)
         fields_d = self._decision_fields(decision) if decision else {}
         if refusal is not None:
             fields_d.update(decision="deny", reason=refusal.reason)
@@ -1083,7 +1088,7 @@ class PolicyGate:
             flow.response.trailers = self.credentials.scrub_trailers(flow, flow.response.trailers)
         t0 = flow.metadata.get("cubegate_t0")
         if t0 is not None and st is not None and st.identity:
-            self.metrics.request_latency.labels(st.identity.sandbox_id).observe(time.perf_counter() - t0)
+            self._request_latency(st.identity.sandbox_id).observe(time.perf_counter() - t0)
 
     async def _scrub_held_response(self, flow: http.HTTPFlow) -> None:
         resp = flow.response
@@ -1252,6 +1257,7 @@ class PolicyGate:
 
     def server_connected(self, data: server_hooks.ServerConnectionHookData) -> None:
         self._connect_done(data.server)
+        mitm_internals.cork_writes(data.client.id, data.server)
         name = mitm_internals.take_server_note(data.server, "dialled_name")
         if name is not None:            # reusable for the next request to the name (mitm_internals)
             mitm_internals.name_the_dialled_server(data.server, name)

@@ -882,7 +882,9 @@ class _BoundedReader:
         self._bound = bound
 
     async def read(self, n: int = -1) -> bytes:
-        await self._bound.room()
+        bound = self._bound
+        if bound.pending and bound.queued > bound.limit:   # room()'s own test, without a coroutine per read
+            await bound.room()
         data = await self._inner.read(n)
         self._bound.read(len(data))
         return data
@@ -926,15 +928,21 @@ def install_hook_queue_bound() -> None:
     def counted_hook_task(self, hook):
         # called synchronously by server_event: pending from the moment the layer paused
         bound = _queue_bound(self)
-        if bound is None or not hook.blocking:
+        if not hook.blocking:
             return hook_task(self, hook)
-        bound.begin()
+        if bound is not None:
+            bound.begin()
 
         async def run():
+            # mitmproxy's hook_task (handle the hook, then report HookCompleted), except that a hook
+            # done inside the event that started it is reported through that event's holder
             try:
-                await hook_task(self, hook)   # ends after HookCompleted was handled (queue replayed)
+                await self.handle_hook(hook)
+                if not hook_completed_by_holder(self, hook):
+                    await self.server_event(_events.HookCompleted(hook))
             finally:
-                bound.end()
+                if bound is not None:
+                    bound.end()           # its HookCompleted handled, or queued for this very stretch
         return run()
 
     def counted_open_connection(self, command):
@@ -987,3 +995,318 @@ def bound_hook_queue(client_id: str, limit: int) -> HookQueueBound | None:
     handler.max_conns = collections.defaultdict(lambda: _SlotWait(slot(), bound))
     wrap_reader(client_id, handler.client, lambda reader: _BoundedReader(reader, bound))
     return bound
+
+
+# -- message construction: the same type check, without its per-field cost ------------------
+# mitmproxy checks every field of every Request/Response it builds (MessageData.__post_init__,
+# unless Python runs with -O) through typecheck.check_option_type, which formats a TypeError
+# for each field before it looks (typing's repr of `bytes | None` and friends) and recurses into
+# unions: ~45 µs per message, two messages per request. The fields are plain classes or unions
+# of them, so each is checked with one isinstance against the classes it allows; a value that
+# fails goes to mitmproxy's check, which raises its own TypeError. A field whose type is more
+# than that (none today) is checked by mitmproxy's function as before.
+def _allowed_classes(typeinfo) -> tuple | None:
+    """The classes one isinstance needs for this field type; None: not that simple."""
+    import typing
+    origin = typing.get_origin(typeinfo)
+    if origin is typing.Union or origin is types.UnionType:
+        out = []
+        for arg in typing.get_args(typeinfo):
+            one = _allowed_classes(arg)
+            if one is None:
+                return None
+            out.extend(one)
+        return tuple(out)
+    if typeinfo is type(None):
+        return (type(None),)
+    if isinstance(typeinfo, type) and origin is None and typeinfo is not typing.Any:
+        return (float, int) if typeinfo is float else (typeinfo,)   # check_option_type takes an int for a float
+    return None
+
+
+def _message_checker(cls):
+    from mitmproxy.utils import typecheck
+    plan = tuple((f.name, f.type, _allowed_classes(f.type)) for f in dataclasses.fields(cls))
+
+    def check(self) -> None:
+        for name, typeinfo, allowed in plan:
+            value = getattr(self, name)
+            if allowed is None or not isinstance(value, allowed):
+                typecheck.check_option_type(name, value, typeinfo)   # raises, as mitmproxy would
+    return check
+
+
+def install_fast_message_check() -> None:
+    """RequestData and ResponseData get a __post_init__ with the same answers (see above)."""
+    if not hasattr(http.MessageData, "__post_init__"):
+        return        # python -O: mitmproxy checks nothing, neither do we
+    for cls in (http.RequestData, http.ResponseData):
+        if "__post_init__" not in cls.__dict__:
+            check = _message_checker(cls)
+            check._cubegate = True
+            cls.__post_init__ = check
+
+
+def fast_message_check_installed() -> bool:
+    return all(getattr(cls.__dict__.get("__post_init__"), "_cubegate", False)
+               for cls in (http.RequestData, http.ResponseData))
+
+
+# -- option reads ------------------------------------------------------------------------------
+# Every ctx.options.X read deep-copies the value (twice when it is the default), and mitmproxy's
+# HTTP layer reads several per request (body_size_limit, validate_inbound_headers, ...). A copy of
+# a str, int, float, bool, bytes or None is that same object: those are returned as they are,
+# anything else is still copied.
+_IMMUTABLE_OPTION_TYPES = frozenset({str, int, float, bool, bytes, type(None)})
+
+
+def install_cheap_option_reads() -> None:
+    from mitmproxy import optmanager
+    cls = optmanager._Option
+    if getattr(cls.current, "_cubegate", False):
+        return
+    original, unset, deepcopy = cls.current, optmanager.unset, __import__("copy").deepcopy
+
+    def current(self):
+        v = self._default if self.value is unset else self.value
+        return v if type(v) in _IMMUTABLE_OPTION_TYPES else deepcopy(v)
+
+    current._cubegate = True
+    current._cubegate_original = original
+    cls.current = current
+
+
+def cheap_option_reads_installed() -> bool:
+    from mitmproxy import optmanager
+    return getattr(optmanager._Option.current, "_cubegate", False)
+
+
+# -- one write per connection per event ----------------------------------------------------------
+# mitmproxy writes each SendData its layers yield as it comes (ConnectionHandler.server_event):
+# a response's head and its body are two TLS records and two send() calls, on loopback each one
+# running the receiver's TCP path too. Everything a handler writes while it holds its
+# server_event lock (one synchronous stretch: "no await beyond this point") is queued per
+# connection and written at once when the lock is released, before any other task runs: the same
+# bytes in the same order, in fewer system calls. Whoever reaches past the writer to its transport
+# (close_client, abort_now, mitmproxy's close/write_eof/drain) gets what is queued written first.
+import asyncio   # noqa: E402
+import collections   # noqa: E402
+import logging   # noqa: E402
+
+_cork_log = logging.getLogger("cubegate.mitm")
+
+
+class _WriteCork:
+    __slots__ = ("active", "dirty", "completed")
+
+    def __init__(self) -> None:
+        self.active = False
+        self.dirty: list[_CorkedWriter] = []
+        self.completed: collections.deque = collections.deque()   # HookCompleted events (see _CorkingLock)
+
+    def flush(self) -> None:
+        self.active = False
+        dirty, self.dirty = self.dirty, []
+        for writer in dirty:
+            try:
+                writer.flush()
+            except Exception:   # noqa: BLE001 - as mitmproxy's server_event treats a failed write
+                _cork_log.error("a queued write failed", exc_info=True)
+
+
+class _CorkedWriter:
+    """A StreamWriter whose writes wait while its handler's cork is active."""
+
+    def __init__(self, inner: asyncio.StreamWriter, cork: _WriteCork) -> None:
+        self._inner = inner
+        self._cork = cork
+        self._queued: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._cork.active:
+            self.flush()
+            self._inner.write(data)
+            return
+        if not self._queued:
+            self._cork.dirty.append(self)
+        self._queued.append(data)
+
+    def flush(self) -> None:
+        if not self._queued:
+            return
+        data = self._queued[0] if len(self._queued) == 1 else b"".join(self._queued)
+        self._queued = []
+        if not self._inner.is_closing():   # mitmproxy's own check before each write
+            self._inner.write(data)
+
+    @property
+    def transport(self):
+        self.flush()
+        return self._inner.transport
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._inner.write_eof()
+
+    def close(self) -> None:
+        self.flush()
+        self._inner.close()
+
+    async def drain(self) -> None:
+        self.flush()
+        await self._inner.drain()
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _CorkingLock(asyncio.Lock):
+    """The handler's server_event lock: its holder's writes are queued and sent on release.
+
+    A blocking hook that its holder started (eagerly) and that finished without waiting would
+    ask for the lock again to report HookCompleted, and wait for a later loop iteration; its
+    event is queued on the cork instead and handled by the holder itself once its own event is
+    done (the layers' generators finished: never re-entered mid-event, mitmproxy#7027), before
+    it releases the lock, as the next holder would have done."""
+
+    def __init__(self, cork: _WriteCork, handler) -> None:
+        super().__init__()
+        self._cork = cork
+        self._handler = handler
+        self._owner = None            # the task holding the lock
+        self._draining = False
+
+    async def __aenter__(self) -> None:
+        if self._draining and asyncio.current_task() is self._owner:
+            self._cork.active = True  # the holder handling a queued HookCompleted: the lock is its own
+            return
+        await self.acquire()
+        self._owner = asyncio.current_task()
+        self._cork.active = True
+
+    async def __aexit__(self, *exc) -> None:
+        if self._draining and asyncio.current_task() is self._owner:
+            return
+        try:
+            self._draining = True
+            completed = self._cork.completed
+            while completed:
+                await self._handler.server_event(completed.popleft())
+        finally:
+            self._draining = False
+            self._owner = None
+            left = list(self._cork.completed)      # only if handling one raised: reported the usual way
+            self._cork.completed.clear()
+            self._cork.flush()
+            self.release()
+            for event in left:
+                asyncio.get_running_loop().create_task(self._handler.server_event(event))
+
+
+def hook_completed_by_holder(handler, hook) -> bool:
+    """From the hook's task, the hook done: True when its HookCompleted is queued for the lock's
+    holder (the hook ran to its end inside the holder's event); False: report it as mitmproxy does."""
+    cork = handler.__dict__.get("_cubegate_cork")
+    if cork is None or not cork.active or hook.name not in _REPORTED_BY_HOLDER:
+        return False
+    cork.completed.append(_events.HookCompleted(hook))
+    return True
+
+
+# The hooks of an HTTP message (four per request). Not next_layer: while no layer is decided,
+# NextLayer keeps every byte the client sends and asks again on each read; only the lock wait
+# between two asks paces that reading today (bounded in time by the head timer, in size by nothing).
+_REPORTED_BY_HOLDER = frozenset({"requestheaders", "request", "responseheaders", "response"})
+
+
+def cork_writes(client_id: str, conn: connection.Connection) -> bool:
+    """Queue `conn`'s writes while its handler runs an event (see above). The client's first, from
+    client_connected (before mitmproxy's first event: nothing holds or waits for the lock), then
+    each upstream's from server_connected. False where it cannot (not a stream writer, the lock
+    already in use, no cork for the client): that connection is written as before."""
+    handler = _handler(client_id)
+    io = handler.transports.get(conn) if handler is not None else None
+    if io is None or not isinstance(io.writer, asyncio.StreamWriter):
+        return False
+    cork = handler.__dict__.get("_cubegate_cork")
+    if cork is None:
+        lock = handler._server_event_lock
+        if conn is not handler.client or type(lock) is not asyncio.Lock or lock.locked() or lock._waiters:
+            return False
+        cork = handler._cubegate_cork = _WriteCork()
+        handler._server_event_lock = _CorkingLock(cork, handler)
+    io.writer = _CorkedWriter(io.writer, cork)
+    return True
+
+
+def writes_corked(client_id: str, conn: connection.Connection) -> bool:
+    io = connection_io(client_id, conn)
+    return isinstance(getattr(io, "writer", None), _CorkedWriter)
+
+
+# -- header look-ups ------------------------------------------------------------------------------
+# Each Headers look-up (get, `in`, get_all, [name]) goes through MutableMapping's mixins and
+# _MultiDict, calling the _kconv staticmethod for every field and, for a name that is absent,
+# raising and catching a KeyError; mitmproxy's HTTP layers and our hooks make ~90 of them per
+# request. The same answers, with one lower() per field and no exception for "absent".
+def _header_key(name) -> bytes:
+    return name.encode("utf-8", "surrogateescape").lower() if type(name) is str else http._always_bytes(name).lower()
+
+
+def _fast_get_all(self, name) -> list[str]:
+    key = _header_key(name)
+    return [v.decode("utf-8", "surrogateescape") for k, v in self.fields if k.lower() == key]
+
+
+def _fast_contains(self, name) -> bool:
+    key = _header_key(name)
+    for k, _ in self.fields:
+        if k.lower() == key:
+            return True
+    return False
+
+
+def _fast_get(self, name, default=None):
+    values = _fast_get_all(self, name)
+    return ", ".join(values) if values else default   # Headers._reduce_values folds them so
+
+
+def install_fast_header_lookups() -> None:
+    cls = http.Headers
+    if getattr(cls.get_all, "_cubegate", False):
+        return
+    originals = {"get_all": cls.get_all, "__contains__": cls.__contains__, "get": cls.get}
+    for name, fast in (("get_all", _fast_get_all), ("__contains__", _fast_contains), ("get", _fast_get)):
+        fast._cubegate = True
+        fast._cubegate_original = originals[name]
+        setattr(cls, name, fast)
+
+
+def fast_header_lookups_installed() -> bool:
+    return all(getattr(getattr(http.Headers, n), "_cubegate", False) for n in ("get_all", "__contains__", "get"))
+
+
+# -- hook arguments -------------------------------------------------------------------------------
+# Hook.args() lists a hook's dataclass fields with dataclasses.fields() on every call, and each hook
+# is asked three times (the connection handler, the addon manager, the hook table). A hook class's
+# fields never change: their names are read once per class.
+_HOOK_ARG_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _cached_hook_args(self) -> list:
+    names = _HOOK_ARG_NAMES.get(type(self))
+    if names is None:
+        names = _HOOK_ARG_NAMES[type(self)] = tuple(f.name for f in dataclasses.fields(self))
+    return [getattr(self, n) for n in names]
+
+
+def install_cached_hook_args() -> None:
+    if getattr(hooks.Hook.args, "_cubegate", False):
+        return
+    _cached_hook_args._cubegate = True
+    _cached_hook_args._cubegate_original = hooks.Hook.args
+    hooks.Hook.args = _cached_hook_args
+
+
+def cached_hook_args_installed() -> bool:
+    return getattr(hooks.Hook.args, "_cubegate", False)

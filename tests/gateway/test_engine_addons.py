@@ -134,3 +134,12 @@ def test_an_addon_error_is_logged_and_the_next_addon_still_runs(master, loop, ca
 
 def test_drain_addon_is_the_gateways_own(master):
     assert isinstance(master.addons.get("cubegate_drain"), DrainAddon)
+
+
+def test_the_engine_runs_with_the_cheaper_message_check_option_reads_and_header_lookups(master):
+    """build_master installs them (egress/mitm_internals.py: same answers, measured cuts)."""
+    assert mitm_internals.fast_message_check_installed()
+    assert mitm_internals.cheap_option_reads_installed()
+    assert mitm_internals.fast_header_lookups_installed()
+    assert mitm_internals.cached_hook_args_installed()
+    assert master.options.connection_strategy == "lazy"      # read through the cheaper path

@@ -1,12 +1,19 @@
 """mitmproxy internals the gateway depends on: this fails when an upgrade moves them."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import types
+from typing import Optional, Sequence
 
+import pytest
+from hypothesis import given, settings, strategies as st_
+from mitmproxy import http as _mhttp, options, optmanager
 from mitmproxy.addons import proxyserver
 from mitmproxy.proxy import server
 from mitmproxy.proxy.layers import websocket
 from mitmproxy.proxy.layers.http import _http1
+from mitmproxy.utils import typecheck as _typecheck
 
 from egress import mitm_internals
 
@@ -207,3 +214,296 @@ def test_a_pinned_upstream_gets_its_name_back_and_is_reused_for_it():
     assert s.address == ("api.example.test", 443)
     assert GetHttpConnection(("api.example.test", 443), True, None).connection_spec_matches(s)
     assert not GetHttpConnection(("198.18.0.10", 443), True, None).connection_spec_matches(s)
+
+
+# -- the message type check and option reads (cheaper, same answers) -----------------------------
+
+_ANY_VALUE = st_.one_of(st_.none(), st_.booleans(), st_.integers(), st_.floats(allow_nan=False), st_.binary(max_size=4),
+                        st_.text(max_size=4), st_.just(_mhttp.Headers()), st_.just([b"x"]), st_.just((1, 2)))
+
+
+def _mitmproxys_check(cls, obj) -> bool:
+    """What MessageData.__post_init__ does, field by field: True when every field passes."""
+    try:
+        for f in dataclasses.fields(cls):
+            _typecheck.check_option_type(f.name, getattr(obj, f.name), f.type)
+    except TypeError:
+        return False
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(cls=st_.sampled_from([_mhttp.RequestData, _mhttp.ResponseData]), data=st_.data())
+def test_the_fast_message_check_answers_as_mitmproxys(cls, data):
+    """Each field's value of any type, well typed or not: ours refuses exactly what mitmproxy's refuses,
+    with mitmproxy's own TypeError."""
+    good = {"http_version": b"HTTP/1.1", "headers": _mhttp.Headers(), "content": b"", "trailers": None,
+            "timestamp_start": 1.0, "timestamp_end": None, "host": "h", "port": 443, "method": b"GET",
+            "scheme": b"https", "authority": b"", "path": b"/", "status_code": 200, "reason": b"OK"}
+    names = [f.name for f in dataclasses.fields(cls)]
+    values = {n: good[n] for n in names}
+    for n in data.draw(st_.lists(st_.sampled_from(names), max_size=3, unique=True)):
+        values[n] = data.draw(_ANY_VALUE)
+    obj = types.SimpleNamespace(**values)
+    check = mitm_internals._message_checker(cls)
+    if _mitmproxys_check(cls, obj):
+        check(obj)
+    else:
+        with pytest.raises(TypeError, match="^Expected "):
+            check(obj)
+
+
+def test_the_fast_message_check_is_what_mitmproxy_builds_messages_with():
+    """mitmproxy still checks each field in __post_init__ (else there would be nothing to keep), and
+    once installed a message is checked by ours: a wrong type is refused, a right one built."""
+    src = inspect.getsource(_mhttp.MessageData)
+    assert "def __post_init__(self):" in src and "typecheck.check_option_type(field.name, val, field.type)" in src
+    mitm_internals.install_fast_message_check()
+    mitm_internals.install_fast_message_check()                  # idempotent
+    assert mitm_internals.fast_message_check_installed()
+    ok = _mhttp.Request("h", 443, b"GET", b"https", b"", b"/", b"HTTP/1.1", _mhttp.Headers(), b"", None, 1, None)
+    assert ok.port == 443 and ok.timestamp_start == 1        # an int where a float goes: accepted, as before
+    with pytest.raises(TypeError, match="Expected <class 'int'> for port"):
+        _mhttp.Request("h", "443", b"GET", b"https", b"", b"/", b"HTTP/1.1", _mhttp.Headers(), b"", None, 1.0, None)
+    with pytest.raises(TypeError, match="for reason"):
+        _mhttp.ResponseData(http_version=b"HTTP/1.1", headers=_mhttp.Headers(), content=b"", trailers=None,
+                            timestamp_start=1.0, timestamp_end=None, status_code=200, reason="OK")
+
+
+def test_option_reads_copy_what_is_mutable_and_only_that():
+    assert "copy.deepcopy(v)" in inspect.getsource(optmanager._Option.current._cubegate_original
+                                                   if mitm_internals.cheap_option_reads_installed()
+                                                   else optmanager._Option.current)
+    mitm_internals.install_cheap_option_reads()
+    mitm_internals.install_cheap_option_reads()                  # idempotent
+    assert mitm_internals.cheap_option_reads_installed()
+    o = options.Options()
+    o.add_option("cg_seq", Sequence[str], ["a"], "")
+    o.add_option("cg_limit", Optional[int], None, "")
+    o.add_option("cg_name", str, "x", "")
+    assert o.cg_limit is None and o.cg_name == "x"
+    o.update(cg_limit=5, cg_seq=["b"])
+    assert o.cg_limit == 5
+    got = o.cg_seq
+    got.append("mutated")                         # a copy: the option itself is unchanged
+    assert o.cg_seq == ["b"] and o.cg_seq is not o.cg_seq
+    o.reset()
+    assert o.cg_seq == ["a"] and o.cg_limit is None
+
+
+# -- corked writes --------------------------------------------------------------------------------
+def test_server_event_still_writes_under_its_lock_and_the_cork_reaches_what_it_patches():
+    """The cork relies on mitmproxy writing every SendData inside `async with self._server_event_lock`
+    with no await in that body, and on the writer being reached through ConnectionIO each time."""
+    src = inspect.getsource(server.ConnectionHandler.server_event._cubegate_original
+                            if hasattr(server.ConnectionHandler.server_event, "_cubegate_original")
+                            else server.ConnectionHandler.server_event)
+    assert "async with self._server_event_lock:" in src and "# No `await` beyond this point." in src
+    assert "writer = self.transports[command.connection].writer" in src and "writer.write(command.data)" in src
+    assert "self._server_event_lock = asyncio.Lock()" in inspect.getsource(server.ConnectionHandler.__init__)
+    for piece in ("writer.write_eof()", "writer.close()", "await transport.writer.drain()"):
+        assert piece in inspect.getsource(server.ConnectionHandler), piece
+
+
+async def _pair():
+    import asyncio
+    import socket
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    _, writer = await asyncio.open_connection(sock=a)
+    return writer, b
+
+
+def _received(sock) -> bytes:
+    try:
+        return sock.recv(65536)
+    except BlockingIOError:
+        return b""
+
+
+def test_writes_under_the_lock_go_out_at_its_release_in_order_in_one_send():
+    import asyncio
+
+    async def main():
+        writer, peer = await _pair()
+        cork = mitm_internals._WriteCork()
+        corked = mitm_internals._CorkedWriter(writer, cork)
+        lock = mitm_internals._CorkingLock(cork, handler=None)
+        sends = []
+        real_send = writer.transport._sock.send
+        writer.transport._sock = types.SimpleNamespace(**{n: getattr(writer.transport._sock, n)
+                                                          for n in ("fileno", "close", "shutdown")},
+                                                       send=lambda d: sends.append(bytes(d)) or real_send(d))
+        async with lock:
+            for chunk in (b"head ", b"body ", b"end"):
+                corked.write(chunk)
+            assert _received(peer) == b"" and sends == []      # nothing left while the lock is held
+        assert sends == [b"head body end"]                     # one send, the same bytes in order
+        assert _received(peer) == b"head body end"
+        corked.write(b"outside")                               # no lock held: written at once
+        assert sends[-1] == b"outside"
+        corked.close()
+        peer.close()
+    asyncio.run(main())
+
+
+def test_who_reaches_past_the_writer_gets_the_queued_bytes_written_first():
+    import asyncio
+
+    async def main():
+        writer, peer = await _pair()
+        cork = mitm_internals._WriteCork()
+        corked = mitm_internals._CorkedWriter(writer, cork)
+        lock = mitm_internals._CorkingLock(cork, handler=None)
+        async with lock:
+            corked.write(b"a 403 page")
+            transport = corked.transport                     # what close_client / abort_now use
+            assert _received(peer) == b"a 403 page"
+            transport.abort()
+            corked.write(b"after the reset")                 # what a layer yields after abort_now
+        await asyncio.sleep(0)
+        assert _received(peer) == b""                        # never reaches the peer
+        peer.close()
+
+        writer, peer = await _pair()
+        corked = mitm_internals._CorkedWriter(writer, cork)
+        async with lock:
+            corked.write(b"last bytes")
+            corked.write_eof()                               # mitmproxy's half-close
+        assert _received(peer) == b"last bytes"
+        corked.close()
+        peer.close()
+    asyncio.run(main())
+
+
+def test_a_failed_queued_write_is_logged_and_the_lock_is_released():
+    import asyncio
+
+    async def main():
+        writer, peer = await _pair()
+        cork = mitm_internals._WriteCork()
+        corked = mitm_internals._CorkedWriter(writer, cork)
+        lock = mitm_internals._CorkingLock(cork, handler=None)
+        writer.write_eof()
+        async with lock:
+            corked.write(b"after eof")                       # asyncio refuses it at the flush
+        assert not lock.locked() and not cork.active
+        async with lock:                                     # and the next holder gets the lock
+            pass
+        corked.close()
+        peer.close()
+    asyncio.run(main())
+
+
+# -- header look-ups (cheaper, same answers) -------------------------------------------------------
+_NAME_BYTES = st_.sampled_from([b"Host", b"host", b"HOST", b"Content-Length", b"content-length", b"X-\xc3\xa9",
+                                b"x-\xc3\xa9", b"X-\xff", b"Transfer-Encoding", b"", b"k"])
+_FIELDS = st_.lists(st_.tuples(_NAME_BYTES, st_.binary(max_size=6) | st_.sampled_from([b"a, b", b"\xff\xfe"])),
+                    max_size=6)
+_LOOKUP = st_.one_of(_NAME_BYTES, _NAME_BYTES.map(lambda b: b.decode("utf-8", "surrogateescape")),
+                     st_.sampled_from(["HoSt", "content-LENGTH", "x-\u00e9", "X-\u00c9", "absent", ""]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(fields=_FIELDS, name=_LOOKUP)
+def test_the_fast_header_lookups_answer_as_mitmproxys(fields, name):
+    mitm_internals.install_fast_header_lookups()
+    h = _mhttp.Headers(fields)
+    stock = {n: getattr(getattr(_mhttp.Headers, n), "_cubegate_original") for n in ("get_all", "__contains__", "get")}
+    assert h.get_all(name) == stock["get_all"](h, name)
+    assert (name in h) == stock["__contains__"](h, name)
+    assert h.get(name) == stock["get"](h, name) and h.get(name, "d") == stock["get"](h, name, "d")
+    if stock["__contains__"](h, name):
+        assert h[name] == ", ".join(stock["get_all"](h, name))
+    else:
+        with pytest.raises(KeyError):
+            h[name]
+
+
+def test_the_fast_header_lookups_are_installed_over_what_mitmproxy_inherits():
+    """Headers still gets get / in from MutableMapping and get_all from _MultiDict (what ours stand in for)."""
+    from mitmproxy.coretypes import multidict
+    mitm_internals.install_fast_header_lookups()
+    mitm_internals.install_fast_header_lookups()                 # idempotent
+    assert mitm_internals.fast_header_lookups_installed()
+    assert "return [_native(x) for x in super().get_all(name)]" in inspect.getsource(
+        _mhttp.Headers.get_all._cubegate_original)
+    assert "self._kconv(k) == key" in inspect.getsource(multidict._MultiDict.get_all)
+    assert _mhttp.Headers._reduce_values(["a", "b"]) == "a, b"
+    with pytest.raises(TypeError):
+        _mhttp.Headers().get(5)                                  # neither str nor bytes: as before
+
+
+def test_hook_args_are_each_hooks_fields_in_order_read_once_per_class():
+    """Every hook mitmproxy defines: the cached args are what Hook.args gave (fields, in order)."""
+    from mitmproxy import hooks
+    mitm_internals.install_cached_hook_args()
+    mitm_internals.install_cached_hook_args()                    # idempotent
+    assert mitm_internals.cached_hook_args_installed()
+    stock = hooks.Hook.args._cubegate_original
+    assert "for field in fields(self):" in inspect.getsource(stock)
+    seen = 0
+    for name, cls in hooks.all_hooks.items():
+        values = [object() for _ in dataclasses.fields(cls)]
+        hook = cls(*values)
+        assert hook.args() == stock(hook) == values, name
+        assert hook.args() == values                              # the second call: from the cache
+        seen += 1
+    assert seen > 20                                              # every hook class, not a few
+
+
+class _Handler:
+    """What _CorkingLock needs of mitmproxy's ConnectionHandler: server_event under the lock."""
+
+    def __init__(self):
+        import asyncio
+        self.handled = []
+        self._cubegate_cork = mitm_internals._WriteCork()
+        self._server_event_lock = mitm_internals._CorkingLock(self._cubegate_cork, self)
+        self.on_event = lambda event: None
+        self.loop = asyncio.get_running_loop()
+
+    async def server_event(self, event):
+        async with self._server_event_lock:
+            self.handled.append(event)
+            self.on_event(event)
+
+
+def test_a_hook_done_inside_its_event_is_reported_by_the_holder_before_it_releases():
+    import asyncio
+    from mitmproxy.proxy import events
+    from mitmproxy.proxy.layer import NextLayerHook
+    from mitmproxy.proxy.layers.http import HttpRequestHook
+
+    async def main():
+        h = _Handler()
+        hook = HttpRequestHook(None)
+
+        def on_event(event):
+            if event == "data":         # as mitmproxy starts a blocking hook: eagerly, inside the event
+                assert mitm_internals.hook_completed_by_holder(h, hook)
+                # next_layer is reported the usual way: its lock wait paces an undecided connection's reads
+                assert not mitm_internals.hook_completed_by_holder(h, NextLayerHook(None))
+        h.on_event = on_event
+        await h._server_event_lock.acquire()              # held: "earlier" queues for it
+        earlier = asyncio.ensure_future(h.server_event("earlier"))
+        await asyncio.sleep(0)
+        h._server_event_lock.release()
+        await h.server_event("data")
+        assert h.handled[:2] == ["earlier", "data"]        # the lock's order is kept
+        assert isinstance(h.handled[2], events.HookCompleted) and h.handled[2].command is hook
+        assert len(h.handled) == 3                          # handled once, in data's own hold
+        await earlier
+        assert not h._server_event_lock.locked() and not h._cubegate_cork.active
+        assert not mitm_internals.hook_completed_by_holder(h, hook)   # no holder now: the usual way
+    asyncio.run(main())
+
+
+def test_counted_hook_task_still_reports_what_mitmproxys_hook_task_reports():
+    """mitmproxy's hook_task: handle the hook, then HookCompleted for a blocking one. Ours does the
+    same (through the holder when the hook ended inside its event)."""
+    src = inspect.getsource(server.ConnectionHandler.hook_task._cubegate_original
+                            if hasattr(server.ConnectionHandler.hook_task, "_cubegate_original")
+                            else server.ConnectionHandler.hook_task)
+    assert "await self.handle_hook(hook)" in src
+    assert "if hook.blocking:" in src and "await self.server_event(events.HookCompleted(hook))" in src
