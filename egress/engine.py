@@ -36,6 +36,7 @@ def build_master(
     mitm_internals.install_trailer_refusal()     # HTTP/1 trailers are refused, never a hung connection
     # request line + headers: bounded in size, and each head in time from its first byte
     mitm_internals.install_head_limit(gate.max_header_bytes + 16 * 1024, gate.header_timeout)
+    mitm_internals.install_client_hello_bound(max(gate.max_header_bytes, 16 * 1024 + 5))   # the fast path's
     mitm_internals.install_hook_queue_bound()    # a client is not read while a hook holds too much of it
     mitm_internals.install_websocket_control_scrub()   # ping/pong payloads and close reasons cross empty
     mitm_internals.install_hpack_table_cap()     # a peer's huge HPACK table does not make us keep headers

@@ -551,6 +551,8 @@ class PolicyGate:
         self.metrics.active_connections.dec()
         if st is None:
             return
+        if client.error == mitm_internals.CLIENT_HELLO_TOO_LARGE and st.kind != "denied":
+            self._refuse_protocol(st, client, "invalid_client_hello")   # already closed: the audit and count
         self._release_connection(st)
         self._disarm_head_timer(st)
         duration = time.monotonic() - st.started
@@ -613,7 +615,9 @@ class PolicyGate:
     # ------------------------------------------------------------- next layer
     def next_layer(self, nextlayer: NextLayer) -> None:
         st = self.conns.get(nextlayer.context.client.id)
-        if st is None or nextlayer.layer is None:
+        if st is None:
+            return
+        if nextlayer.layer is None:
             return
         if st.host is None and not st.transparent:
             return  # explicit mode: nothing decided yet (CONNECT comes first)
@@ -627,12 +631,15 @@ class PolicyGate:
         elif isinstance(layer, layers.HttpLayer) and port in TLS_PORTS and not nextlayer.context.client.tls:
             reason = "plaintext_on_tls_port"
         if reason:
-            st.kind, st.denied_reason = "denied", reason
-            self._audit_refusal("decision", st, decision="deny", reason=reason)
-            self._count(st, "deny", reason, "protocol")
-            self._kill_client(nextlayer.context.client)
+            self._refuse_protocol(st, nextlayer.context.client, reason)
         elif isinstance(layer, layers.TCPLayer) and st.kind == "pending":
             st.kind = "tcp"
+
+    def _refuse_protocol(self, st: ConnState, client: connection.Client, reason: str) -> None:
+        st.kind, st.denied_reason = "denied", reason
+        self._audit_refusal("decision", st, decision="deny", reason=reason)
+        self._count(st, "deny", reason, "protocol")
+        self._kill_client(client)
 
     # -------------------------------------------------------------- ClientHello
     async def tls_clienthello(self, data: tls.ClientHelloData) -> None:
@@ -1385,3 +1392,4 @@ _explain = records.explain
 def _path_only(path: str) -> str:
     # Query strings may carry secrets (placeholders, keys): the audit log keeps the path only.
     return path.split("?", 1)[0][:2048]
+

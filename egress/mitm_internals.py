@@ -318,6 +318,31 @@ def _head_complete(buf, limit: int) -> bool:
     return b"\r\n\r\n" in head or b"\n\n" in head
 
 
+# mitmproxy's own prefix for an unreadable hello: its on_handshake_error passes the text on unchanged
+CLIENT_HELLO_TOO_LARGE = "Cannot parse ClientHello: over the gateway's bound"
+
+
+def install_client_hello_bound(limit: int) -> None:
+    """mitmproxy's ClientTLSLayer keeps every byte until the ClientHello is whole, joining its
+    records again on each read: a hello that says it is 16 MiB long grew the gateway by all the
+    sandbox sent until the head timeout. Past `limit` bytes the handshake fails with
+    CLIENT_HELLO_TOO_LARGE as the client's error (the gate audits it as invalid_client_hello)."""
+    from mitmproxy.proxy.layers.tls import ClientTLSLayer
+
+    original = getattr(ClientTLSLayer.receive_handshake_data, "_cubegate_original",
+                       ClientTLSLayer.receive_handshake_data)
+
+    def receive_handshake_data(self, data: bytes):
+        if not self.client_hello_parsed and len(self.recv_buffer) + len(data) > limit:
+            self.recv_buffer.clear()
+            return False, CLIENT_HELLO_TOO_LARGE
+        return (yield from original(self, data))
+
+    receive_handshake_data._cubegate_original = original
+    receive_handshake_data._cubegate_limit = limit
+    ClientTLSLayer.receive_handshake_data = receive_handshake_data
+
+
 def install_head_limit(limit: int, head_timeout: float | None = None) -> None:
     """head_timeout: every request head's deadline from its first byte (None: none)."""
     from mitmproxy.proxy import commands, events
