@@ -2,7 +2,8 @@
 
 No I/O. The CONNECT head is parsed here, strictly (a narrower grammar than mitmproxy's:
 what it does not accept goes to mitmproxy); the ClientHello with mitmproxy's own parser
-(egress.mitm_internals), so an SNI means the same here as in the gate.
+(egress.mitm_internals), so an SNI means the same here as in the gate — its common shape read
+by egress.fastpath.hello_scan, which answers only where it agrees with that parser.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 from egress import mitm_internals, records
+from egress.fastpath.hello_scan import scan_hello
 
 ESTABLISHED = b"HTTP/1.1 200 Connection established\r\n\r\n"   # what mitmproxy answers
 
@@ -124,6 +126,9 @@ def read_hello(data: bytes, eof: bool) -> Hello:
         return Hello("incomplete")
     if not mitm_internals.starts_like_tls(data):
         return Hello("not_tls", looks_like_http=_looks_like_http(data))
+    common = scan_hello(data)            # the usual shape, read without mitmproxy's object parser
+    if common is not None:
+        return Hello("tls", sni=common[0], sni_unread=common[1])
     try:
         hello = mitm_internals.parse_client_hello(data)
     except ValueError:

@@ -215,7 +215,7 @@ class FastPath:
         coro = mitm_internals.hand_over(self.master, self.specs[c.transparent], c.transport, bytes(c.buf), c.eof)
         self.gate.claims.release(c.st)
         c.handed = True
-        self.outcomes("handed_over").inc()
+        self.tally.inc(self.outcomes("handed_over"))
         task = asyncio.get_running_loop().create_task(coro)
         self.handed_over.add(task)
         task.add_done_callback(self.handed_over.discard)
@@ -264,9 +264,9 @@ class FastPath:
         duration = time.monotonic() - st.started
         # adding zero (a refusal has no bytes in) would still be a locked metric write
         if st.bytes_out:
-            self._bytes(st.sandbox, "out").inc(st.bytes_out)
+            self.tally.inc(self._bytes(st.sandbox, "out"), st.bytes_out)
         if st.bytes_in:
-            self._bytes(st.sandbox, "in").inc(st.bytes_in)
+            self.tally.inc(self._bytes(st.sandbox, "in"), st.bytes_in)
         self.tally.observe(self._duration(st.kind), duration)
         if st.refusal_counted and not st.tunnel and st.requests <= 1:
             return                       # refused at its first decision and counted: its closed record is that count
@@ -316,6 +316,7 @@ class FastPath:
         st.identity = ident
         verdict, denied = await self.denials.decide(st, connect.host, connect.port, policies=gate.policies,
                                                     guard=gate.guard, resolver=gate.resolver)
+        decided_under = gate.policies.current   # the verdict's (no await since it was made)
         decision, refusal = verdict.decision, verdict.refusal
         self.tally.observe(self._latency("connect"), time.perf_counter() - t0)
         if c.lost:
@@ -374,7 +375,7 @@ class FastPath:
             if sni_host != st.host:
                 self._refuse(c, "sni_mismatch", stage="sni", status=403)
                 return
-        await self._pass_through(c, verdict.addresses)
+        await self._pass_through(c, verdict, decided_under)
 
     async def _hello(self, c: "_Conn") -> heads.Hello | None:
         """The first bytes of a TLS connection, complete (bounded by max_header_bytes and header_timeout)."""
@@ -444,6 +445,7 @@ class FastPath:
         verdict = await decide_destination(st, hello.sni, st.port, policies=gate.policies, guard=gate.guard,
                                            resolver=gate.resolver, scheme=None, method=None, path=None,
                                            cache=self.decisions)
+        decided_under = gate.policies.current   # the verdict's (no await since it was made)
         decision, refusal = verdict.decision, verdict.refusal
         if c.lost:
             return
@@ -465,11 +467,12 @@ class FastPath:
         st.tunnel = True
         self._register(c)
         self._count(st, decision.action, decision.reason, "sni")   # explicit mode counts at CONNECT
-        await self._pass_through(c, verdict.addresses)
+        await self._pass_through(c, verdict, decided_under)
 
     # ------------------------------------------------------------ passthrough
-    async def _pass_through(self, c: "_Conn", addresses) -> None:
-        """Connect to the guarded addresses (never a name resolved again: no rebinding window), relay."""
+    async def _pass_through(self, c: "_Conn", verdict, decided_under) -> None:
+        """Connect to the verdict's guarded addresses (never a name resolved again: no rebinding
+        window), relay. `decided_under`: the policy object in force when the verdict was made."""
         gate, st = self.gate, c.st
         st.kind = "passthrough"
         c.timer_cancel()
@@ -485,7 +488,7 @@ class FastPath:
                                 on_spliced=self.outcomes("spliced").inc, hello_check=check, on_refused=refused)
         else:
             relay = Relay(c.transport, c.count_out, c.count_in, self.idle_timeout, check, refused)
-        d = await dial(relay.upstream_protocol, addresses, st.port, gate.connect_timeout, lambda: c.lost)
+        d = await dial(relay.upstream_protocol, verdict.addresses, st.port, gate.connect_timeout, lambda: c.lost)
         transport, connected_ip = d.transport, d.ip
         if transport is None:
             st.denied_reason = st.denied_reason or d.reason
@@ -495,7 +498,9 @@ class FastPath:
             return
         # the address we dialled (a canonical literal, connected to as given): no getpeername needed
         st.upstream = f"{connected_ip}:{st.port}"
-        blocked = connected_refusal(gate.guard, gate.policies.current, st.sandbox, connected_ip, st.port)
+        blocked = None
+        if not _checked_already(gate, verdict, decided_under):
+            blocked = connected_refusal(gate.guard, gate.policies.current, st.sandbox, connected_ip, st.port)
         if blocked is not None or c.lost or c.transport.is_closing():   # closing: revoked while connecting
             transport.abort()
             if blocked is not None:   # should be impossible (the resolver filtered it); close rather than trust
@@ -508,8 +513,17 @@ class FastPath:
         c.buf.clear()
         c.relay = relay
         relay.client.eof_pending = c.eof
-        self.outcomes("relayed").inc()
+        self.tally.inc(self.outcomes("relayed"))
         relay.start(first)
+
+
+def _checked_already(gate, verdict, decided_under) -> bool:
+    """The addresses of a resolved verdict passed the resolver's guard and the deny CIDRs of the
+    policy it was made under (keep_undenied), and the one dialled is one of them: while that same
+    policy object is in force, and the resolver guards with the gate's guard, connected_refusal
+    (pure) would answer the same again. A policy swapped in meanwhile is checked (a CIDR it adds)."""
+    return (verdict.resolved and gate.policies.current is decided_under
+            and getattr(gate.resolver, "guard", None) is gate.guard)
 
 
 def _cork(transport) -> bool:

@@ -157,3 +157,24 @@ def test_audit_record_carries_the_connection_and_drops_unset_fields():
     assert rec["sandbox"] == "sb-1" and rec["host"] == "a.test" and "status" not in rec
     from egress.audit.record import to_line
     to_line(rec)   # fits the closed schema
+
+
+# ------------------------------------------------------------------ the check after connecting
+def test_the_connected_address_is_checked_again_unless_the_verdict_checked_it_under_the_same_policy():
+    """connected_refusal is skipped only for a resolved verdict's address, under the policy object
+    that verdict was made under, with the resolver guarding by the gate's guard."""
+    from types import SimpleNamespace
+
+    from egress.destination import Verdict
+    from egress.fastpath.server import _checked_already
+    guard, policy, other = object(), object(), object()
+    gate = SimpleNamespace(policies=SimpleNamespace(current=policy), guard=guard,
+                           resolver=SimpleNamespace(guard=guard))
+    resolved = Verdict(None, None, ((2, "198.18.0.30"),), resolved=True)
+    assert _checked_already(gate, resolved, policy)
+    assert not _checked_already(gate, resolved, other)                       # a policy swapped in meanwhile
+    assert not _checked_already(gate, Verdict(None, None, ((2, "198.18.0.30"),)), policy)   # an IP literal
+    gate.resolver = SimpleNamespace(guard=object())
+    assert not _checked_already(gate, resolved, policy)                      # another guard resolved it
+    gate.resolver = SimpleNamespace()
+    assert not _checked_already(gate, resolved, policy)
