@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .filters import RecordFilter, normalize_host_pattern
-from .record import from_line, ts_epoch_ms
+from .record import parse_line
 from .segments import CURRENT_NAME, Position, file_key, log_files, present_keys, read_lines
 
 SCHEMA_VERSION = 1
@@ -189,16 +189,16 @@ class AuditIndex:
         rows: list[tuple] = []
         pos = committed = known
         for line, pos in read_lines(f, known, final=final):
-            try:
-                text = line.decode("ascii")          # what to_line writes: decoded once, parsed as str
-                rec = from_line(text)
-            except UnicodeDecodeError:               # not ours: parsed as bytes, stored with replacements
-                rec = from_line(line)
-                text = line.decode("ascii", "replace")
-            if rec is None:
+            parsed = parse_line(line)
+            if parsed is None:
                 self.bad_lines += 1
             else:
-                rows.append(_row(rec, text))
+                rec, ts_ms = parsed
+                try:
+                    text = line.decode("ascii")      # what to_line writes
+                except UnicodeDecodeError:           # not ours: stored with replacements
+                    text = line.decode("ascii", "replace")
+                rows.append(_row(rec, ts_ms, text))
                 if self.on_record is not None:
                     self.on_record(rec)
             if len(rows) >= _BATCH:
@@ -241,16 +241,28 @@ class AuditIndex:
             self._conn.executemany("DELETE FROM files WHERE dev=? AND ino=?", gone)
 
 
-def _row(rec: dict[str, Any], text: str) -> tuple:
+def _row(rec: dict[str, Any], ts_ms: int, text: str) -> tuple:
     host = rec.get("host")
     if isinstance(host, str):
         host = host.lower().rstrip(".")
+    # id, ts, event and decision were matched against ASCII patterns and sets; raw is to_line's ASCII
     return (
-        rec["id"], rec["ts"], ts_epoch_ms(rec["ts"]), rec["event"],
-        rec.get("sandbox"), host, rec.get("port"), rec.get("decision"), rec.get("reason"),
-        rec.get("rule"), rec.get("method"), rec.get("path"), rec.get("conn_id"),
+        rec["id"], rec["ts"], ts_ms, rec["event"],
+        _text(rec.get("sandbox")), _text(host), rec.get("port"), rec.get("decision"), _text(rec.get("reason")),
+        _text(rec.get("rule")), _text(rec.get("method")), _text(rec.get("path")), _text(rec.get("conn_id")),
         text.rstrip("\n"),
     )
+
+
+def _text(value: Any) -> Any:
+    """A column value SQLite can store: a lone surrogate (a path read with surrogateescape, written
+    by to_line as an escape) cannot be UTF-8; it would fail the whole batch, and every sync after."""
+    if isinstance(value, str) and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "backslashreplace").decode("ascii")
+    return value
 
 
 def _where(flt: RecordFilter) -> tuple[list[str], list[Any]]:

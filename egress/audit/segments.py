@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterator, NamedTuple
 
 CURRENT_NAME = "audit-current.jsonl"
 _ROTATED_RE = re.compile(r"^audit-(\d{8}T\d{6})-(\d+)\.jsonl$")
@@ -70,8 +69,7 @@ def present_keys(log_dir: str | os.PathLike) -> set["FileKey"]:
     return keys
 
 
-@dataclass(frozen=True)
-class Position:
+class Position(NamedTuple):   # (a tuple: one is made per line read, and a frozen dataclass costs ~1 us)
     offset: int          # byte offset just past the last consumed line
     fingerprint: bytes   # first bytes of the file when last read
 
