@@ -39,13 +39,14 @@ class DecisionCache:
     def __init__(self) -> None:
         self._policy = None
         self._until = float("inf")
+        self._since = float("-inf")      # the clock at the last reset: an earlier time is not covered
         self._entries: dict[tuple, Decision] = {}
         self.generation = 0          # bumped whenever the entries go stale (egress/fastpath/deny_memo.py)
 
     def generation_for(self, policy) -> int:
         """The generation whose entries are `policy`'s now (stale ones dropped first)."""
         now = getattr(policy, "clock", time.time)()
-        if policy is not self._policy or now >= self._until:
+        if policy is not self._policy or not self._since <= now < self._until:
             self._reset(policy, now)
         return self.generation
 
@@ -54,7 +55,7 @@ class DecisionCache:
         if key is None:
             return policy.decide(req)
         now = getattr(policy, "clock", time.time)()
-        if policy is not self._policy or now >= self._until:
+        if policy is not self._policy or not self._since <= now < self._until:
             self._reset(policy, now)
         decision = self._entries.get(key)
         if decision is None:
@@ -74,6 +75,7 @@ class DecisionCache:
         grants = getattr(getattr(policy, "grants", None), "grants", ())
         self.generation += 1
         self._policy = policy
+        self._since = now                # a clock set back: a grant expired since may be in force again
         self._until = min((g.expires for g in grants if g.expires is not None and g.expires > now),
                           default=float("inf"))
         self._entries = {}
