@@ -46,6 +46,7 @@ class Daemon:
         self.settings = settings
         self.metrics = GatewayMetrics()
         self.readiness = Readiness()
+        self._started_through = False   # run() saw every worker ready with no task dead
         self.workers = None              # cubegate/worker_pool.py: the data plane's processes
         self.ops_server = None
         self._stop = asyncio.Event()
@@ -219,6 +220,10 @@ class Daemon:
         self.readiness.add("vault", self._vault_ready)
         self.readiness.add("audit", lambda: (self.audit.writable(), str(self.settings.audit_dir)))
         self.readiness.add("tasks", self.supervisor.check)
+        # last: ready only once run() saw the start through (a task dying just before that
+        # stops the daemon; a /readyz 200 must mean it will not)
+        self.readiness.add("started", lambda: (self._started_through, "started" if self._started_through
+                                               else "starting: waiting for every worker"))
 
     def _vault_ready(self) -> tuple[bool, str]:
         return vault_ready(self.vault)
@@ -267,6 +272,7 @@ class Daemon:
         if not await self._started():
             await self.stop()
             return 1
+        self._started_through = True
         await self._stop.wait()
         await self.stop()
         return 1 if self.supervisor.dead else 0
