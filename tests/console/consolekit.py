@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -158,3 +159,12 @@ class Browserish:
         assert self.get("/").status_code == 200
         assert self.csrf, "no CSRF token on the overview"
         return self
+
+
+def first_line(s: socket.socket, wait: float = 5.0) -> bytes:
+    """The status line of what the server sent on `s` (b"" for nothing within `wait`, or a reset)."""
+    s.settimeout(wait)
+    try:
+        return s.recv(4096).split(b"\r\n")[0]
+    except (TimeoutError, OSError):
+        return b""

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.console.consolekit import ConsoleDaemon
+from tests.console.consolekit import ConsoleDaemon, first_line as _first_line
 
 MIB = 1 << 20
 
@@ -40,14 +40,6 @@ def _heads(port: int, path: str, n: int, length: int) -> list[socket.socket]:
         out.append(s)
     time.sleep(0.3)
     return out
-
-
-def _first_line(s: socket.socket, wait: float = 5.0) -> bytes:
-    s.settimeout(wait)
-    try:
-        return s.recv(4096).split(b"\r\n")[0]
-    except (TimeoutError, OSError):
-        return b""
 
 
 def test_idle_anonymous_bodies_block_no_operator_of_the_console_vault_or_policy_api(daemon):

@@ -16,7 +16,7 @@ import pytest
 
 import httpkit
 import httpkit.server
-from tests.console.consolekit import ConsoleDaemon
+from tests.console.consolekit import ConsoleDaemon, first_line as _first_line
 from tests.httpkit.conftest import served
 from tests.httpkit.toyapp import TOKEN, make
 
@@ -40,14 +40,6 @@ def _idle_bodies(port: int, path: str, n: int, length: int, headers: str = "") -
         out.append(s)
     time.sleep(0.3)                    # the server has read every head
     return out
-
-
-def _first_line(s: socket.socket, wait: float = 5.0) -> bytes:
-    s.settimeout(wait)
-    try:
-        return s.recv(4096).split(b"\r\n")[0]
-    except (TimeoutError, OSError):
-        return b""
 
 
 def test_idle_anonymous_bodies_cannot_keep_an_operator_from_logging_in(daemon):
